@@ -1,0 +1,95 @@
+"""ModelConfig: the shape and numerics of a decoder, validated on construction."""
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots", "dots_saveable")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message names the key and the value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Llama-style decoder hyper-parameters. `head_dim` defaults to d_model // num_heads."""
+
+  vocab_size: int = 8192
+  d_model: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = None
+  mlp_dim: int = 704
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  max_seq_len: int = 2048
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  remat: str = "none"
+  scan_layers: bool = True
+  init_std: float = 0.02
+  bos_id: int | None = None
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ConfigError(
+            f"model.num_heads={self.num_heads} does not divide model.d_model={self.d_model}"
+            " (set model.head_dim explicitly for a non-square attention)")
+      object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"model.num_heads={self.num_heads} is not a multiple of "
+          f"model.num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @classmethod
+  def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    """Builds from a dict/ConfigDict, naming any key ModelConfig does not have."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ConfigError(f"unknown model config key(s) {unknown}; known keys: {sorted(known)}")
+    return cls(**dict(values))
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def num_params(self, include_embedding: bool = True) -> int:
+    d, f, h = self.d_model, self.mlp_dim, self.head_dim
+    attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
+    per_layer = attn + 3 * d * f + 2 * d
+    n = self.num_layers * per_layer + d
+    if include_embedding:
+      n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    elif not self.tie_embeddings:
+      n += self.vocab_size * d  # the unembedding is a real matmul
+    return n

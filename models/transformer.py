@@ -1,0 +1,83 @@
+"""The Llama-style decoder: embeddings, a stack of pre-norm blocks, and the unembedding.
+
+The blocks are created with `nnx.vmap` into one stacked module whose parameters
+gain a leading `layers` axis, and applied with `jax.lax.scan`, so compile time
+does not grow with depth. `cfg.remat` picks the rematerialisation policy.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import MLP, Attention, RMSNorm, _param
+from parallel import constrain
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+    x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    return constrain(x_BTD, ("batch", "seq", "embed"))
+
+
+class Transformer(nnx.Module):
+  """tokens_BT -> logits_BTV (float32)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg, 1.0)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg)
+    if not cfg.tie_embeddings:
+      self.unembed_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg,
+                               cfg.init_std)
+
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+    cfg = self.cfg
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(cfg.jnp_dtype)
+    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x_BTD, layer_state):
+      return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, segment_ids_BT), None
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x_BTD, _ = jax.lax.scan(body, x_BTD, state)
+    else:
+      for i in range(cfg.num_layers):
+        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], state))
+
+    x_BTD = self.final_norm(x_BTD)
+    if cfg.tie_embeddings:
+      w_DV = self.embed_VD[...].T
+    else:
+      w_DV = self.unembed_DV[...]
+    logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, w_DV.astype(cfg.jnp_dtype),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits_BTV, ("batch", "seq", "vocab"))
