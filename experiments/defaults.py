@@ -1,0 +1,71 @@
+"""The full set of config keys, with defaults; every experiment starts from `base_config()`.
+
+Configs are locked after `get_config()`, so a misspelt key in a file or on the
+command line (`--config.optimizer.lrr=1`) fails instead of being ignored.
+"""
+
+from ml_collections import ConfigDict
+
+from models import ModelConfig
+
+
+def base_config() -> ConfigDict:
+  c = ConfigDict()
+  c.seed = 0
+  c.steps = 1000
+  c.batch_size = 8          # global, in sequences
+  c.seq_len = 256
+  c.grad_accum = 1          # microbatches per step; batch_size must divide evenly
+  c.log_every = 10
+  c.eval_every = 100
+  c.eval_batches = 4
+  c.checkpoint_every = 200
+  c.keep_checkpoints = 3
+  c.async_checkpoints = True
+  c.peak_flops_per_device = 0.0   # 0: data-sheet value on accelerators, measured on CPU
+  c.init_from = ""          # optional: HF directory, .gguf file, or meshlm workdir to start from
+
+  c.model = ConfigDict(ModelConfig().to_dict())
+  # Placeholders so that the types are fixed; None would accept any type.
+  c.model.head_dim = 0      # 0: d_model // num_heads
+  c.model.bos_id = -1
+  c.model.eos_id = -1
+
+  c.tokenizer = ConfigDict()
+  c.tokenizer.path = ""      # tokenizer.json directory, HF directory or .gguf
+  c.tokenizer.train_vocab_size = 0  # >0: train a byte-level BPE on the training text
+
+  c.data = ConfigDict()
+  c.data.path = ""
+  c.data.text_key = "text"
+  c.data.doc_separator = "\n\n"
+  c.data.val_fraction = 0.05
+
+  c.optimizer = ConfigDict()
+  c.optimizer.lr = 3e-4
+  c.optimizer.warmup_steps = 100
+  c.optimizer.min_lr_ratio = 0.1
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.95
+  c.optimizer.eps = 1e-8
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.clip_norm = 1.0
+
+  c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, pipeline=1, expert=1, sequence=1))
+  c.sharding = "data_parallel"
+
+  c.sample = ConfigDict()
+  c.sample.prompt = ""
+  c.sample.max_new_tokens = 128
+  c.sample.temperature = 0.8
+  c.sample.top_k = 0
+  return c
+
+
+def model_config_from(c: ConfigDict) -> ModelConfig:
+  """ModelConfig from `config.model`, mapping the typed placeholders back to None."""
+  values = c.model.to_dict()
+  for key, unset in (("head_dim", 0), ("bos_id", -1), ("eos_id", -1)):
+    if values.get(key) == unset:
+      values[key] = None
+  return ModelConfig.from_mapping(values)

@@ -1,0 +1,3 @@
+"""Inference: sampling from a trained or imported model."""
+
+from infer.sampling import generate

@@ -1,0 +1,1 @@
+"""Pretraining: data pipeline, optimizer, jitted steps, checkpoints, metrics and the loop."""

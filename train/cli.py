@@ -1,0 +1,118 @@
+"""The `meshlm` command line.
+
+  meshlm train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
+  meshlm generate --model PATH_OR_WORKDIR --prompt TEXT [--max_new_tokens N] [--chat]
+"""
+
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+COMMANDS = ("train", "generate")
+
+
+def _parse(argv: list[str]):
+  """absl parsing of everything after the subcommand; returns the FlagValues."""
+  fv = flags.FlagValues()
+  if argv[0] == "train":
+    config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
+                                    lock_config=True)
+    flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and logs",
+                        flag_values=fv)
+    flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process)",
+                        flag_values=fv)
+    flags.DEFINE_integer("num_processes", None, "number of processes (multi-process)",
+                         flag_values=fv)
+    flags.DEFINE_integer("process_id", None, "this process's id (multi-process)", flag_values=fv)
+  else:
+    flags.DEFINE_string("model", None, "HF directory, .gguf file or meshlm workdir", flag_values=fv)
+    flags.DEFINE_string("prompt", None, "prompt text", flag_values=fv)
+    flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate", flag_values=fv)
+    flags.DEFINE_float("temperature", 0.0, "0 = greedy", flag_values=fv)
+    flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens (0 = all)",
+                         flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+    flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template",
+                      flag_values=fv)
+  try:
+    fv(["meshlm"] + argv[1:])
+  except (flags.Error, AttributeError, KeyError, ValueError) as e:
+    raise SystemExit(f"meshlm {argv[0]}: {str(e).strip(chr(39))}")
+  return fv
+
+
+def _require(fv, *names):
+  missing = [n for n in names if fv[n].value is None]
+  if missing:
+    raise SystemExit(f"meshlm: missing required flag(s): {', '.join('--' + n for n in missing)}")
+
+
+def run_train(fv) -> None:
+  _require(fv, "workdir")
+  config_file = fv["config"].config_filename if fv["config"].present else None
+  if config_file is None:
+    raise SystemExit("meshlm train: missing required flag --config")
+  if not os.path.isfile(config_file):
+    raise SystemExit(f"meshlm train: config file {config_file} does not exist")
+  config = fv["config"].value
+  if fv["num_processes"].value and fv["num_processes"].value > 1:
+    import jax
+    jax.distributed.initialize(fv["coordinator_address"].value, fv["num_processes"].value,
+                               fv["process_id"].value)
+  from infer import generate
+  from train.loop import train
+  from train.workdir import load_trained
+  last = train(config, fv["workdir"].value)
+  print({k: round(v, 4) for k, v in last.items()})
+  if config.sample.prompt and config.sample.max_new_tokens > 0:
+    import jax
+    if jax.process_index() == 0:
+      model, tokenizer, _ = load_trained(fv["workdir"].value)
+      ids = generate(model, tokenizer.encode(config.sample.prompt, add_bos=True),
+                     config.sample.max_new_tokens, temperature=config.sample.temperature,
+                     top_k=config.sample.top_k, seed=config.seed, eos_id=tokenizer.eos_id)
+      print("--- sample ---\n" + config.sample.prompt + tokenizer.decode(ids))
+
+
+def load_any(path: str):
+  """(model, tokenizer) from a meshlm workdir, an HF directory or a .gguf file."""
+  from train.workdir import is_workdir, load_trained
+  if not os.path.exists(path):
+    raise SystemExit(f"meshlm generate: model path {path} does not exist")
+  if is_workdir(path):
+    model, tokenizer, _ = load_trained(path)
+    return model, tokenizer
+  from models import load_pretrained
+  return load_pretrained(path)
+
+
+def run_generate(fv) -> None:
+  _require(fv, "model", "prompt")
+  from infer import generate
+  model, tokenizer = load_any(fv["model"].value)
+  prompt = fv["prompt"].value
+  if fv["chat"].value:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(prompt, add_bos=False)
+  else:
+    ids = tokenizer.encode(prompt)
+  new = generate(model, ids, fv["max_new_tokens"].value, temperature=fv["temperature"].value,
+                 top_k=fv["top_k"].value, seed=fv["seed"].value, eos_id=tokenizer.eos_id)
+  print(tokenizer.decode(new))
+
+
+def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] not in COMMANDS:
+    raise SystemExit(f"usage: meshlm {{{'|'.join(COMMANDS)}}} [flags]   (meshlm CMD --help)")
+  fv = _parse(argv)
+  try:
+    (run_train if argv[0] == "train" else run_generate)(fv)
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"meshlm {argv[0]}: error: {e}") from e
+
+
+if __name__ == "__main__":
+  main()

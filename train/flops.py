@@ -1,0 +1,60 @@
+"""Model FLOPs per token and the per-device peak that MFU is measured against.
+
+Training FLOPs per token follow MaxText's count: 3x the forward matmuls
+(forward + backward), i.e. 6 * N_matmul per token, plus causal attention
+4 * T * N * H / 2 per layer forward. N_matmul counts every weight used in a
+matmul (QKV, output, SwiGLU's three, unembedding); the embedding lookup and
+norms are not matmuls. Remat recomputation is not useful work and is not counted.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from models import ModelConfig
+
+# Dense bf16 peak per chip in FLOP/s, from the vendors' data sheets.
+PEAK_FLOPS_BF16 = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+}
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  d, f, h, n, k = cfg.d_model, cfg.mlp_dim, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  per_layer = 2 * d * f * 3 + 2 * d * (n + 2 * k) * h + 2 * d * n * h
+  attention = 4 * seq_len * n * h / 2  # causal: half the score/value matmuls are masked
+  forward = cfg.num_layers * (per_layer + attention) + 2 * d * cfg.vocab_size
+  return 3.0 * forward
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+  """Best achieved FLOP/s of one large square matmul on the default device."""
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    f(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * n ** 3 / best
+
+
+def peak_flops_per_device(dtype=jnp.float32, override: float = 0.0) -> tuple[float, str]:
+  """(peak FLOP/s, where it came from). CPUs have no data-sheet number: we measure one."""
+  if override > 0:
+    return override, "config"
+  kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_FLOPS_BF16.items():
+    if kind.startswith(name):
+      return flops, f"datasheet bf16 ({kind})"
+  return measure_matmul_peak(dtype), f"measured {jnp.dtype(dtype).name} matmul ({kind})"

@@ -1,0 +1,52 @@
+"""The train state: a plain pytree created already sharded from an abstract model.
+
+state = {"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": uint32[2]}
+The model's graphdef stays outside the state; `nnx.merge(graphdef, params)`
+rebuilds the module inside jitted code.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import parallel
+from models import ModelConfig, Transformer
+
+
+def abstract_model(model_cfg: ModelConfig):
+  """(graphdef, abstract params) without allocating anything."""
+  model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+  return nnx.split(model, nnx.Param)
+
+
+def _assemble(params, tx, seed):
+  return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+          "rng": jax.random.key_data(jax.random.key(seed))}
+
+
+def state_shardings(abstract_state, mesh, rules=None):
+  return parallel.logical_shardings(abstract_state, mesh, rules)
+
+
+def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh,
+                       seed: int, rules=None, params=None):
+  """Returns (graphdef, state, shardings). Parameters are born on their devices.
+
+  With `params` given (e.g. from a pretrained checkpoint), they are placed with
+  the rule-derived shardings instead of being initialised.
+  """
+  graphdef, abstract_params = abstract_model(model_cfg)
+  abstract = jax.eval_shape(lambda p: _assemble(p, tx, seed), abstract_params)
+  shardings = state_shardings(abstract, mesh, rules)
+
+  if params is None:
+    def init():
+      model = Transformer(model_cfg, nnx.Rngs(seed))
+      return _assemble(nnx.state(model, nnx.Param), tx, seed)
+    with jax.set_mesh(mesh):
+      state = jax.jit(init, out_shardings=shardings)()
+  else:
+    params = jax.device_put(params, shardings["params"])
+    state = jax.jit(lambda p: _assemble(p, tx, seed), out_shardings=shardings)(params)
+  return graphdef, state, shardings

@@ -1,0 +1,73 @@
+"""Pure, jitted steps: `train_step(state, batch) -> (state, metrics)` and `eval_step`.
+
+A batch is a dict of int32 [B, T] arrays: inputs, targets, segment_ids (0 marks
+padding) and positions. Gradient accumulation splits B into `grad_accum`
+microbatches and scans over them, weighting every real token equally, so one
+step is exactly one optimizer update on the whole batch.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def token_losses(logits_BTV, targets_BT):
+  """Per-token cross-entropy in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+
+
+def loss_sum_and_count(graphdef, params, batch):
+  model = nnx.merge(graphdef, params)
+  logits_BTV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  mask_BT = (batch["segment_ids"] > 0).astype(jnp.float32)
+  return jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT), jnp.sum(mask_BT)
+
+
+def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1):
+  params = state["params"]
+  total_tokens = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
+
+  def micro_loss(p, mb):
+    loss_sum, _ = loss_sum_and_count(graphdef, p, mb)
+    return loss_sum / total_tokens
+
+  grad_fn = jax.value_and_grad(micro_loss)
+  if grad_accum == 1:
+    loss, grads = grad_fn(params, batch)
+  else:
+    micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+    def accumulate(carry, mb):
+      loss, grads = carry
+      l, g = grad_fn(params, mb)
+      return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
+
+  updates, opt_state = tx.update(grads, state["opt_state"], params)
+  new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
+                   step=state["step"] + 1)
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
+             "tokens": total_tokens}
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, graphdef):
+  """Summed loss and token count, so the caller can average over many batches exactly."""
+  return loss_sum_and_count(graphdef, params, batch)
+
+
+def jit_train_step(graphdef, tx, schedule, state_shardings, batch_sharding, grad_accum=1):
+  step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                           grad_accum=grad_accum)
+  return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                 out_shardings=(state_shardings, None), donate_argnums=0)
+
+
+def jit_eval_step(graphdef, params_shardings, batch_sharding):
+  return jax.jit(functools.partial(eval_step, graphdef=graphdef),
+                 in_shardings=(params_shardings, batch_sharding))
