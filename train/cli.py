@@ -17,8 +17,9 @@ def _parse(argv: list[str]):
   """absl parsing of everything after the subcommand; returns the FlagValues."""
   fv = flags.FlagValues()
   if argv[0] == "train":
+    # sys_argv: override flags (--config.a.b=v) are discovered from these args.
     config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
-                                    lock_config=True)
+                                    lock_config=True, sys_argv=["meshlm"] + argv[1:])
     flags.DEFINE_string("workdir", None, "directory for checkpoints, metrics and logs",
                         flag_values=fv)
     flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process)",

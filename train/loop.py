@@ -32,6 +32,11 @@ def validate(config: ConfigDict) -> None:
               "eval_batches", "checkpoint_every", "keep_checkpoints"):
     if int(config[key]) <= 0:
       raise ConfigError(f"config.{key} must be positive, got {config[key]}")
+  model_config_from(config)  # raises ConfigError naming the bad model key
+  for key in ("init_from", "tokenizer.path"):
+    path = config.init_from if key == "init_from" else config.tokenizer.path
+    if path and not os.path.exists(path):
+      raise FileNotFoundError(f"config.{key}: checkpoint path {path} does not exist")
   per_process = config.batch_size // jax.process_count()
   if config.batch_size % jax.process_count() or per_process % config.grad_accum:
     raise ConfigError(f"config.batch_size={config.batch_size} must split evenly over "
