@@ -3,3 +3,5 @@
 from models.config import ConfigError, ModelConfig
 from models.tokenizer import Tokenizer
 from models.transformer import Block, Transformer
+from models.hf_io import export_hf
+from models.pretrained import load_pretrained, load_pretrained_tokenizer

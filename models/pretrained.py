@@ -1,0 +1,110 @@
+"""`load_pretrained`: a Hugging Face directory or a GGUF file -> (Transformer, Tokenizer).
+
+The model is built abstractly with `nnx.eval_shape` (no random initialisation, no
+device memory) and the checkpoint's arrays are then put in place with `nnx.update`.
+"""
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import hf_io
+from models.config import ModelConfig
+from models.tokenizer import TOKENIZER_FILE, Tokenizer
+from models.transformer import Transformer
+
+GGUF_MAGIC = b"GGUF"
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+  """A Transformer whose params are ShapeDtypeStructs: the shapes, names and shardings only."""
+  return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+
+
+def build_model(cfg: ModelConfig, read, names, mesh=None) -> Transformer:
+  """Fills an abstract model from tensors under Hugging Face names (see hf_io.params_from_hf).
+
+  With `mesh`, each array is placed straight into its sharding from the params'
+  logical axis names, so no single device ever holds the whole model.
+  """
+  model = abstract_model(cfg)
+  state = nnx.state(model, nnx.Param)
+  params = hf_io.params_from_hf(cfg, state, read, names)
+  shardings = None
+  if mesh is not None:
+    from parallel import logical_shardings  # only needed when sharding
+    shardings = nnx.to_pure_dict(logical_shardings(state, mesh))
+  pure = nnx.to_pure_dict(state)
+
+  def place(path, _):
+    keys = tuple(k.key for k in path)
+    arr = params.pop(keys)  # drop host copies as we go
+    if shardings is None:
+      return jnp.asarray(arr)
+    sharding = shardings
+    for k in keys:
+      sharding = sharding[k]
+    return jax.device_put(arr, sharding)
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, pure))
+  nnx.update(model, state)
+  return model
+
+
+def _is_gguf(path: str) -> bool:
+  if path.lower().endswith(".gguf"):
+    return True
+  with open(path, "rb") as f:
+    return f.read(4) == GGUF_MAGIC
+
+
+def _load_hf_dir(directory: str, mesh=None, **dtypes):
+  cfg_dict = hf_io.read_config(directory)
+  cfg = hf_io.config_from_hf(cfg_dict, source=os.path.join(directory, hf_io.CONFIG_FILE), **dtypes)
+  tensors = hf_io.SafetensorsDir(directory)  # raises if there are no safetensors
+  tokenizer = None
+  if os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
+    tokenizer = Tokenizer.load(directory)
+  else:
+    warnings.warn(f"{directory} has no {TOKENIZER_FILE}; returning tokenizer=None")
+  return build_model(cfg, tensors.read, tensors.names, mesh), tokenizer
+
+
+def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
+                    mesh=None) -> tuple[Transformer, Tokenizer | None]:
+  """Loads a Llama checkpoint: an HF directory (config.json + safetensors) or a .gguf file.
+
+  dtype (compute) / param_dtype (storage), each 'float32', 'bfloat16' or 'float16',
+  override the defaults: an HF checkpoint keeps its stored dtype for both, a GGUF is
+  dequantized to float32.
+  The tokenizer is None only for an HF directory without tokenizer.json.
+  """
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint path {path!r} does not exist")
+  dtypes = dict(dtype=dtype, param_dtype=param_dtype)
+  if os.path.isdir(path):
+    return _load_hf_dir(path, mesh, **dtypes)
+  if _is_gguf(path):
+    from models import gguf_io  # keeps the gguf package optional for HF-only users
+    cfg, tensors, tokenizer = gguf_io.read_gguf(path, **dtypes)
+    return build_model(cfg, tensors.read, tensors.names, mesh), tokenizer
+  raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file "
+                   "(for safetensors, pass the directory holding config.json)")
+
+
+def load_pretrained_tokenizer(path: str) -> Tokenizer:
+  """Just the tokenizer of an HF directory or a .gguf file, without reading any weights."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+  if os.path.isdir(path):
+    return Tokenizer.load(path)
+  if _is_gguf(path):
+    from models import gguf_io
+    from gguf import GGUFReader
+    return gguf_io.tokenizer_from_gguf(GGUFReader(path), path)
+  raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
