@@ -73,9 +73,9 @@ class Attention(nnx.Module):
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
     k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk_DKH[...].astype(dt))
     v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv_DKH[...].astype(dt))
-    q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta), ("batch", "seq", "heads", None))
-    k_BSKH = constrain(rope(k_BSKH, positions_BT, cfg.rope_theta), ("batch", "seq", "kv_heads", None))
-    v_BSKH = constrain(v_BSKH, ("batch", "seq", "kv_heads", None))
+    q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta), ("act_batch", "act_seq", "act_heads", None))
+    k_BSKH = constrain(rope(k_BSKH, positions_BT, cfg.rope_theta), ("act_batch", "act_seq", "act_kv_heads", None))
+    v_BSKH = constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None))
 
     b, t = x_BTD.shape[:2]
     q_BTKGH = q_BTNH.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
@@ -87,7 +87,7 @@ class Attention(nnx.Module):
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
     out_BTNH = out_BTKGH.reshape(b, t, cfg.num_heads, cfg.head_dim)
     out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(dt))
-    return constrain(out_BTD, ("batch", "seq", "embed"))
+    return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
 
 class MLP(nnx.Module):
@@ -104,6 +104,6 @@ class MLP(nnx.Module):
     dt = self.dtype
     gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate_DF[...].astype(dt))
     up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.up_DF[...].astype(dt))
-    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "mlp"))
+    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
     out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, self.down_FD[...].astype(dt))
-    return constrain(out_BTD, ("batch", "seq", "embed"))
+    return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))

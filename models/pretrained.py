@@ -14,14 +14,9 @@ from flax import nnx
 from models import hf_io
 from models.config import ModelConfig
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
-from models.transformer import Transformer
+from models.transformer import Transformer, abstract_model
 
 GGUF_MAGIC = b"GGUF"
-
-
-def abstract_model(cfg: ModelConfig) -> Transformer:
-  """A Transformer whose params are ShapeDtypeStructs: the shapes, names and shardings only."""
-  return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
 
 
 def build_model(cfg: ModelConfig, read, names, mesh=None) -> Transformer:

@@ -32,7 +32,7 @@ class Block(nnx.Module):
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
     x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return constrain(x_BTD, ("batch", "seq", "embed"))
+    return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
 
 class Transformer(nnx.Module):
@@ -59,7 +59,7 @@ class Transformer(nnx.Module):
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(cfg.jnp_dtype)
-    x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+    x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
     graphdef, state = nnx.split(self.blocks)
 
@@ -81,4 +81,14 @@ class Transformer(nnx.Module):
       w_DV = self.unembed_DV[...]
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, w_DV.astype(cfg.jnp_dtype),
                             preferred_element_type=jnp.float32)
-    return constrain(logits_BTV, ("batch", "seq", "vocab"))
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+  """A Transformer whose params are ShapeDtypeStructs: shapes, dtypes and logical names only.
+
+  Built outside any ambient mesh: the logical names are mapped to mesh axes by
+  `parallel/`, not by flax's eval_shape.
+  """
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))

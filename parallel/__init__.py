@@ -1,5 +1,6 @@
 """Maps logical axis names onto device meshes. Model code never names a mesh axis."""
 
 from parallel.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
-from parallel.rules import (LOGICAL_AXES, PRESETS, axis_rules, constrain, current_rules,
+from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXES, PRESETS,
+                            STRATEGIES, Layout, axis_rules, constrain, current_rules, get_layout,
                             get_rules, logical_shardings, logical_to_spec)

@@ -1,36 +1,87 @@
 """Logical-axis rules: the one place where logical names meet mesh axes.
 
-Models annotate parameters and activations with logical names only
-(`batch`, `seq`, `embed`, `heads`, ...). A rule set is an ordered list of
-(logical name, mesh axis or None) pairs; a logical name may appear more than
-once, and the first mesh axis still unused by the tensor wins (MaxText style),
-so a rule set can name fallbacks.
+Models name every parameter dimension (`embed`, `heads`, `mlp`, ...) and every
+large activation dimension (`act_batch`, `act_seq`, `act_embed`, ...). A rule
+set is an ordered list of (logical name, mesh axis | tuple of mesh axes | None);
+earlier rules win, and a rule is skipped when its mesh axes are already used by
+another dimension of the same tensor, so later rules act as fallbacks (MaxText
+style, via `flax.linen.logical_to_mesh_axes`).
+
+A layout is named by joining strategies with '+', e.g. "fsdp+tensor".
 """
 
 import contextlib
+import dataclasses
 import threading
 from typing import Sequence
 
 import jax
-from flax import linen
-from flax import nnx
+from flax import linen, nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
-# Every logical name used by models/. Unlisted names are a bug: see tests.
-LOGICAL_AXES = (
-    "batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers",
-)
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+ACTIVATION_AXES = ("act_batch", "act_seq", "act_res_seq", "act_embed", "act_heads",
+                   "act_kv_heads", "act_mlp", "act_vocab")
+LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
+BATCH_AXES = ("act_batch", "act_res_seq")  # how a [B, T] input batch is laid out
 
-# Data parallel over the `data` (and, when present, `fsdp`) mesh axes; all parameters replicated.
-DATA_PARALLEL: LogicalRules = (
-    ("batch", ("data", "fsdp")),
-    ("seq", None), ("embed", None), ("vocab", None), ("heads", None), ("kv_heads", None),
-    ("head_dim", None), ("mlp", None), ("layers", None),
-)
+# Batch rows are split over every data-like axis; `expert` acts as data outside MoE layers.
+_BATCH = (("act_batch", ("data", "fsdp", "expert")),)
 
-PRESETS: dict[str, LogicalRules] = {"data_parallel": DATA_PARALLEL}
+# Each strategy: (rules for params and activations, extra rules for optimizer state).
+STRATEGIES: dict[str, tuple[LogicalRules, LogicalRules]] = {
+    # Everything replicated except the batch.
+    "data_parallel": ((), ()),
+    # ZeRO-1: parameters replicated, optimizer moments sharded over the data axes.
+    "zero1": ((), (("embed", ("data", "fsdp")), ("vocab", ("data", "fsdp")))),
+    # ZeRO-3: parameters (hence gradients and moments) sharded over `fsdp`,
+    # gathered layer by layer in the forward and backward passes.
+    "fsdp": ((("embed", "fsdp"), ("vocab", "fsdp")), ()),
+    # Megatron: column-parallel QKV/gate/up, row-parallel out/down, vocab-parallel logits.
+    "tensor": ((("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
+                ("vocab", "tensor"), ("act_heads", "tensor"), ("act_kv_heads", "tensor"),
+                ("act_mlp", "tensor"), ("act_vocab", "tensor")), ()),
+    # Sequence parallel: the residual stream and norms split along the sequence
+    # over `tensor` (Megatron-SP) and `sequence` (context parallel).
+    "sequence": ((("act_res_seq", ("sequence", "tensor")), ("act_res_seq", "sequence"),
+                  ("act_seq", "sequence")), ()),
+    # Expert parallel: expert weights split over `expert` (MoE layers name `experts`).
+    "expert": ((("experts", "expert"),), ()),
+    # Pipeline: the stacked `layers` axis split into stages.
+    "pipeline": ((("layers", "pipeline"),), ()),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Rules for parameters/activations, and for optimizer state (which may differ: ZeRO-1)."""
+  name: str
+  rules: tuple
+  opt_rules: tuple
+
+
+def get_layout(name: str) -> Layout:
+  parts = [p.strip() for p in name.split("+") if p.strip()]
+  unknown = [p for p in parts if p not in STRATEGIES]
+  if not parts or unknown:
+    raise ValueError(f"unknown sharding strategy {unknown or name!r} in {name!r}; "
+                     f"combine these with '+': {sorted(STRATEGIES)}")
+  rules = list(_BATCH)
+  opt_rules = []
+  for p in parts:
+    rules += STRATEGIES[p][0]
+    opt_rules += STRATEGIES[p][1]
+  return Layout(name, tuple(rules), tuple(opt_rules) + tuple(rules))
+
+
+def get_rules(name: str) -> LogicalRules:
+  return get_layout(name).rules
+
+
+PRESETS = {name: get_rules(name) for name in STRATEGIES}
+DATA_PARALLEL = PRESETS["data_parallel"]
 
 _state = threading.local()
 
@@ -41,20 +92,13 @@ def current_rules() -> LogicalRules:
 
 @contextlib.contextmanager
 def axis_rules(rules: LogicalRules):
-  """Makes `rules` the active rule set, for both this module and flax's NNX helpers."""
+  """Makes `rules` the active rule set for activation constraints traced inside."""
   previous = current_rules()
   _state.rules = tuple(rules)
   try:
-    with nnx.logical_axis_rules(list(rules)):
-      yield
+    yield
   finally:
     _state.rules = previous
-
-
-def get_rules(name: str) -> LogicalRules:
-  if name not in PRESETS:
-    raise ValueError(f"unknown sharding preset {name!r}; known presets: {sorted(PRESETS)}")
-  return PRESETS[name]
 
 
 def logical_to_spec(names: Sequence[str | None], rules: LogicalRules | None = None,
@@ -82,12 +126,32 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, mesh=mesh))
 
 
-def logical_shardings(abstract_tree, mesh: jax.sharding.Mesh, rules: LogicalRules | None = None):
-  """NamedShardings for a tree of nnx Variables/arrays from their `out_sharding` metadata."""
+def _names(leaf):
+  return leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
 
-  def one(leaf):
-    names = leaf.get_metadata().get("out_sharding") if isinstance(leaf, nnx.Variable) else None
+
+def logical_shardings(abstract_tree, mesh: jax.sharding.Mesh, rules: LogicalRules | None = None):
+  """NamedShardings for a tree of nnx Variables/arrays from their `out_sharding` metadata.
+
+  Raises a ValueError naming the array, dimension and sizes when a mesh axis
+  does not divide the dimension it would split.
+  """
+  sizes = dict(mesh.shape)
+
+  def one(path, leaf):
+    names = _names(leaf)
     spec = logical_to_spec(names, rules, mesh) if names else PartitionSpec()
+    shape = getattr(leaf, "shape", ())
+    for dim, (axes, length) in enumerate(zip(spec, shape)):
+      axes = (axes,) if isinstance(axes, str) else (axes or ())
+      parts = 1
+      for a in axes:
+        parts *= sizes[a]
+      if length % parts:
+        raise ValueError(
+            f"{jax.tree_util.keystr(path)}: dimension {dim} ({names[dim]}) of size {length} "
+            f"is not divisible by mesh axes {axes} of total size {parts}")
     return NamedSharding(mesh, spec)
 
-  return jax.tree.map(one, abstract_tree, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  return jax.tree_util.tree_map_with_path(one, abstract_tree,
+                                          is_leaf=lambda v: isinstance(v, nnx.Variable))

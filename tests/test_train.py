@@ -29,7 +29,7 @@ def _setup(grad_accum=1):
   tx, schedule = make_optimizer(config.optimizer, 10)
   mesh = parallel.make_mesh({"data": -1})
   graphdef, state, shardings = create_train_state(model_cfg, tx, mesh, seed=0)
-  batch_sharding = jax.sharding.NamedSharding(mesh, parallel.logical_to_spec(("batch", "seq"), mesh=mesh))
+  batch_sharding = jax.sharding.NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
   step = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding, grad_accum)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, model_cfg.vocab_size, (4, 17)).astype(np.int32)

@@ -105,7 +105,7 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   validate(config)
   workdir = os.path.abspath(workdir)
   mesh = parallel.make_mesh(config.mesh.to_dict())
-  rules = parallel.get_rules(config.sharding)
+  layout = parallel.get_layout(config.sharding)
   tokenizer = resolve_tokenizer(config, workdir)
   model_cfg = resolve_model_config(config, tokenizer)
   model_cfg, init_params = _initial_params(config, model_cfg)
@@ -119,10 +119,10 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   train_iter = iter(train_ds)
 
   tx, schedule = make_optimizer(config.optimizer, config.steps)
-  with parallel.axis_rules(rules):
-    graphdef, state, shardings = create_train_state(model_cfg, tx, mesh, config.seed, rules,
+  with parallel.axis_rules(layout.rules):
+    graphdef, state, shardings = create_train_state(model_cfg, tx, mesh, config.seed, layout,
                                                     params=init_params)
-    batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(("batch", "seq"), mesh=mesh))
+    batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
     step_fn = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding, config.grad_accum)
     eval_fn = jit_eval_step(graphdef, shardings["params"], batch_sharding)
 
@@ -142,7 +142,7 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
 
   last = {}
   window_start, window_tokens = None, 0.0
-  with parallel.axis_rules(rules), jax.set_mesh(mesh):
+  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     for step in range(start, end):
       batch = _to_global(next(train_iter), batch_sharding)

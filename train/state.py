@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import models
 import parallel
 from models import ModelConfig, Transformer
 
 
 def abstract_model(model_cfg: ModelConfig):
   """(graphdef, abstract params) without allocating anything."""
-  model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
-  return nnx.split(model, nnx.Param)
+  return nnx.split(models.abstract_model(model_cfg), nnx.Param)
 
 
 def _assemble(params, tx, seed):
@@ -25,12 +25,17 @@ def _assemble(params, tx, seed):
           "rng": jax.random.key_data(jax.random.key(seed))}
 
 
-def state_shardings(abstract_state, mesh, rules=None):
-  return parallel.logical_shardings(abstract_state, mesh, rules)
+def state_shardings(abstract_state, mesh, layout: parallel.Layout):
+  """Parameters follow `layout.rules`; optimizer state follows `layout.opt_rules` (ZeRO-1)."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return {"params": parallel.logical_shardings(abstract_state["params"], mesh, layout.rules),
+          "opt_state": parallel.logical_shardings(abstract_state["opt_state"], mesh,
+                                                  layout.opt_rules),
+          "step": replicated, "rng": replicated}
 
 
 def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation, mesh,
-                       seed: int, rules=None, params=None):
+                       seed: int, layout: parallel.Layout | None = None, params=None):
   """Returns (graphdef, state, shardings). Parameters are born on their devices.
 
   With `params` given (e.g. from a pretrained checkpoint), they are placed with
@@ -38,7 +43,8 @@ def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
   """
   graphdef, abstract_params = abstract_model(model_cfg)
   abstract = jax.eval_shape(lambda p: _assemble(p, tx, seed), abstract_params)
-  shardings = state_shardings(abstract, mesh, rules)
+  layout = parallel.get_layout("data_parallel") if layout is None else layout
+  shardings = state_shardings(abstract, mesh, layout)
 
   if params is None:
     def init():

@@ -1,0 +1,72 @@
+"""Worker: trains the same tiny model for N steps on 1 device and under several layouts.
+
+Run in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8.
+argv: OUT.json LAYOUT:MESH [LAYOUT:MESH ...], MESH like data=2,fsdp=2,tensor=2.
+Writes {name: {"losses": [...], "params": {path: max relative diff vs 1 device}}}.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+from ml_collections import ConfigDict
+
+import parallel
+from models import ModelConfig
+from train.optimizer import make_optimizer
+from train.state import create_train_state
+from train.step import jit_train_step
+
+STEPS = 10
+MODEL = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    mlp_dim=128, tie_embeddings=False)
+OPT = ConfigDict(dict(lr=3e-3, warmup_steps=2, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+                      weight_decay=0.1, clip_norm=1.0))
+
+
+def batches():
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(STEPS):
+    tokens = rng.integers(0, MODEL.vocab_size, (8, 33)).astype(np.int32)
+    out.append(dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                    segment_ids=np.ones((8, 32), np.int32),
+                    positions=np.tile(np.arange(32, dtype=np.int32), (8, 1))))
+  return out
+
+
+def run(layout_name: str, mesh):
+  layout = parallel.get_layout(layout_name)
+  tx, schedule = make_optimizer(OPT, STEPS)
+  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+    graphdef, state, shardings = create_train_state(MODEL, tx, mesh, seed=0, layout=layout)
+    batch_sharding = jax.sharding.NamedSharding(
+        mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
+    step = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding)
+    losses = []
+    for b in batches():
+      state, metrics = step(state, {k: jax.device_put(v, batch_sharding) for k, v in b.items()})
+      losses.append(float(metrics["loss"]))
+  params = {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
+  return losses, params
+
+
+def main():
+  out_path, specs = sys.argv[1], sys.argv[2:]
+  base_losses, base_params = run("data_parallel", parallel.make_mesh({}, devices=jax.devices()[:1]))
+  results = {"single_device": {"losses": base_losses}}
+  for spec in specs:
+    name, mesh_spec = spec.split(":")
+    sizes = {k: int(v) for k, v in (kv.split("=") for kv in mesh_spec.split(","))}
+    losses, params = run(name, parallel.make_mesh(sizes))
+    diffs = {k: float(np.max(np.abs(params[k] - v)) / (np.max(np.abs(v)) + 1e-12))
+             for k, v in base_params.items()}
+    results[spec] = {"losses": losses, "param_rel_diff": diffs}
+  with open(out_path, "w") as f:
+    json.dump(results, f)
+
+
+if __name__ == "__main__":
+  main()
