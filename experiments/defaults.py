@@ -40,6 +40,7 @@ def base_config() -> ConfigDict:
   c.data.text_key = "text"
   c.data.doc_separator = "\n\n"
   c.data.val_fraction = 0.05
+  c.data.num_shards = 0      # 0: one shard per process; fix it to compare process counts
 
   c.optimizer = ConfigDict()
   c.optimizer.lr = 3e-4

@@ -58,10 +58,8 @@ def run_train(fv) -> None:
   if not os.path.isfile(config_file):
     raise SystemExit(f"meshlm train: config file {config_file} does not exist")
   config = fv["config"].value
-  if fv["num_processes"].value and fv["num_processes"].value > 1:
-    import jax
-    jax.distributed.initialize(fv["coordinator_address"].value, fv["num_processes"].value,
-                               fv["process_id"].value)
+  from parallel.distributed import initialize
+  initialize(fv["coordinator_address"].value, fv["num_processes"].value, fv["process_id"].value)
   from infer import generate
   from train.loop import train
   from train.workdir import load_trained

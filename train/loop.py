@@ -111,11 +111,11 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   model_cfg, init_params = _initial_params(config, model_cfg)
   workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
 
-  per_process_batch = config.batch_size // jax.process_count()
-  train_ds = data_lib.make_dataset(config.data, tokenizer, seq_len=config.seq_len,
-                                   batch_size=per_process_batch, split="train", seed=config.seed)
-  val_ds = data_lib.make_dataset(config.data, tokenizer, seq_len=config.seq_len,
-                                 batch_size=per_process_batch, split="validation", seed=config.seed)
+  datasets = {split: data_lib.make_global_dataset(
+      config.data, tokenizer, seq_len=config.seq_len, global_batch_size=config.batch_size,
+      split=split, seed=config.seed, num_shards=config.data.num_shards)
+      for split in ("train", "validation")}
+  train_ds, val_ds = datasets["train"], datasets["validation"]
   train_iter = iter(train_ds)
 
   tx, schedule = make_optimizer(config.optimizer, config.steps)
@@ -136,7 +136,8 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
                                                       config.peak_flops_per_device)
   writer = MetricsWriter(workdir, config.steps, start)
   if jax.process_index() == 0:
-    print(f"meshlm: {model_cfg.num_params():,} params, {jax.device_count()} device(s), "
+    print(f"meshlm: {model_cfg.num_params():,} params, "
+          f"{jax.device_count()} device(s) in {jax.process_count()} process(es), "
           f"mesh {dict(mesh.shape)}, MFU peak {peak / 1e9:.1f} GFLOP/s per device ({peak_source}); "
           f"starting at step {start}/{config.steps}", flush=True)
 
