@@ -1,0 +1,58 @@
+"""Golden shardings and collectives of the compiled train step, one file per layout.
+
+A change to a rule set, the model's logical names or the step that moves a
+sharding or a collective fails here until the golden files are regenerated:
+  MESHLM_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py
+and the diff of tests/golden/ is reviewed like code.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import REPO
+from test_parallel import LAYOUTS, _worker
+
+GOLDEN = os.path.join(REPO, "tests", "golden")
+UPDATE = os.environ.get("MESHLM_UPDATE_GOLDEN") == "1"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("golden"))
+  _worker("golden_collectives.py", out, *LAYOUTS)
+  if UPDATE:
+    for name in os.listdir(out):
+      shutil.copy(os.path.join(out, name), os.path.join(GOLDEN, name))
+  return {name[:-5]: json.load(open(os.path.join(out, name))) for name in os.listdir(out)}
+
+
+@pytest.mark.parametrize("layout", [spec.split(":")[0] for spec in LAYOUTS])
+def test_matches_golden(compiled, layout):
+  with open(os.path.join(GOLDEN, f"{layout}.json")) as f:
+    golden = json.load(f)
+  got = compiled[layout]
+  for key in ("mesh", "params", "activations", "collectives"):
+    assert got[key] == golden[key], (
+        f"{layout}: {key} changed\n golden: {golden[key]}\n now:    {got[key]}\n"
+        "If intended: MESHLM_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py")
+
+
+def test_collectives_are_the_ones_each_strategy_needs(compiled):
+  kinds = {name: set(c["collectives"]) for name, c in compiled.items()}
+  # Data parallel: only gradient all-reduces.
+  assert kinds["data_parallel"] == {"all-reduce"}
+  # FSDP gathers parameters. (On CPU XLA keeps the gradient reduction as an
+  # all-reduce; GPU/TPU passes turn it into a reduce-scatter.)
+  assert "all-gather" in kinds["fsdp"]
+  # Megatron tensor parallel: activation all-reduces, no parameter gathers.
+  assert kinds["tensor"] == {"all-reduce"}
+  assert compiled["tensor"]["collectives"]["all-reduce"] > compiled["data_parallel"]["collectives"]["all-reduce"]
+  # ZeRO-1: moments sharded, so updated parameters are gathered back.
+  assert "all-gather" in kinds["zero1"]
+  # Parameter shardings say the same thing directly.
+  fsdp = compiled["fsdp"]["params"]
+  assert all("fsdp" in json.dumps(spec) for spec in fsdp.values()), fsdp
+  assert all(all(a is None for a in spec) for spec in compiled["data_parallel"]["params"].values())
