@@ -104,6 +104,8 @@ def run_generate(fv) -> None:
 
 def main(argv: list[str] | None = None) -> None:
   argv = sys.argv[1:] if argv is None else argv
+  from parallel.xla_flags import apply_overlap_flags
+  apply_overlap_flags()  # before any JAX backend starts
   if not argv or argv[0] not in COMMANDS:
     raise SystemExit(f"usage: meshlm {{{'|'.join(COMMANDS)}}} [flags]   (meshlm CMD --help)")
   fv = _parse(argv)
