@@ -53,7 +53,12 @@ def base_config() -> ConfigDict:
   c.optimizer.clip_norm = 1.0
 
   c.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1, pipeline=1, expert=1, sequence=1))
-  c.sharding = "data_parallel"
+  c.sharding = "data_parallel"   # strategies joined with '+', e.g. "fsdp+tensor"
+
+  c.pipeline = ConfigDict()
+  c.pipeline.microbatches = 0     # 0: one per stage (stages = mesh.pipeline)
+  c.pipeline.repeats = 1          # virtual stages per stage; > 1 needs schedule "circular"
+  c.pipeline.schedule = "gpipe"   # "gpipe" | "circular"
 
   c.sample = ConfigDict()
   c.sample.prompt = ""

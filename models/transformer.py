@@ -1,8 +1,9 @@
 """The Llama-style decoder: embeddings, a stack of pre-norm blocks, and the unembedding.
 
 The blocks are created with `nnx.vmap` into one stacked module whose parameters
-gain a leading `layers` axis, and applied with `jax.lax.scan`, so compile time
-does not grow with depth. `cfg.remat` picks the rematerialisation policy.
+gain a leading `layers` axis, and applied by `parallel.run_layers`: a
+`jax.lax.scan`, so compile time does not grow with depth, or a pipeline when one
+is configured. `cfg.remat` picks the rematerialisation policy.
 """
 
 import jax
@@ -11,7 +12,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import MLP, Attention, RMSNorm, _param
-from parallel import constrain
+from parallel import constrain, run_layers
 
 _REMAT = {
     "full": None,
@@ -63,16 +64,12 @@ class Transformer(nnx.Module):
 
     graphdef, state = nnx.split(self.blocks)
 
-    def body(x_BTD, layer_state):
-      return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, segment_ids_BT), None
+    def body(x_BTD, layer_state, positions_BT, segment_ids_BT):
+      return nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, segment_ids_BT)
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      x_BTD, _ = jax.lax.scan(body, x_BTD, state)
-    else:
-      for i in range(cfg.num_layers):
-        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], state))
+    x_BTD = run_layers(body, x_BTD, state, (positions_BT, segment_ids_BT), scan=cfg.scan_layers)
 
     x_BTD = self.final_norm(x_BTD)
     if cfg.tie_embeddings:

@@ -1,6 +1,9 @@
 """Shared fixtures: a tiny training config over a slice of Tiny Shakespeare."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +50,36 @@ def shakespeare_slice(tmp_path):
   path = tmp_path / "shakespeare_slice.txt"
   path.write_text(text)
   return str(path)
+
+
+EIGHT_DEVICES = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                     PYTHONPATH=REPO)
+
+# Layouts checked on 8 fake devices (tests/test_parallel.py, tests/test_golden.py).
+LAYOUTS = [
+    "data_parallel:data=8",
+    "zero1:data=8",
+    "fsdp:fsdp=8",
+    "tensor:data=4,tensor=2",
+    "tensor+sequence:data=2,sequence=2,tensor=2",
+    "expert:data=4,expert=2",
+    "fsdp+tensor:data=2,fsdp=2,tensor=2",
+]
+
+
+def run_worker(name, *args, timeout=900, env=None):
+  """Runs tests/workers/NAME in its own process (8 fake devices by default)."""
+  out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", name), *args],
+                       env=env or EIGHT_DEVICES, capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return out
+
+
+@pytest.fixture(scope="session")
+def layout_results(tmp_path_factory):
+  """Every layout in LAYOUTS, compiled and trained once per test session."""
+  path = str(tmp_path_factory.mktemp("layouts") / "layouts.json")
+  run_worker("layouts.py", path, *LAYOUTS)
+  with open(path) as f:
+    return json.load(f)

@@ -4,58 +4,26 @@ Each test that needs 8 devices runs a worker in its own process, because
 XLA_FLAGS must be set before JAX starts.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 import parallel
-from conftest import REPO
+from conftest import LAYOUTS, run_worker
 from models import ModelConfig
 
-EIGHT = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=REPO)
-LAYOUTS = [
-    "data_parallel:data=8",
-    "zero1:data=8",
-    "fsdp:fsdp=8",
-    "tensor:data=4,tensor=2",
-    "tensor+sequence:data=2,sequence=2,tensor=2",
-    "expert:data=4,expert=2",
-    "fsdp+tensor:data=2,fsdp=2,tensor=2",
-]
-
-
-def _worker(name, *args, timeout=900):
-  out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", name), *args],
-                       env=EIGHT, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-  assert out.returncode == 0, out.stderr[-4000:]
-  return out
-
-
-@pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("eq") / "eq.json")
-  _worker("layout_equivalence.py", path, *LAYOUTS)
-  with open(path) as f:
-    return json.load(f)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ten_steps_match_one_device(equivalence, layout):
-  base = np.asarray(equivalence["single_device"]["losses"])
-  got = np.asarray(equivalence[layout]["losses"])
+def test_ten_steps_match_one_device(layout_results, layout):
+  base = np.asarray(layout_results["single_device"]["losses"])
+  got = np.asarray(layout_results[layout]["losses"])
   assert len(got) == len(base) == 10
   np.testing.assert_allclose(got, base, rtol=1e-5)
-  worst = max(equivalence[layout]["param_rel_diff"].items(), key=lambda kv: kv[1])
+  worst = max(layout_results[layout]["param_rel_diff"].items(), key=lambda kv: kv[1])
   assert worst[1] <= 1e-5, worst
 
 
 def test_fsdp_shards_parameters_and_optimizer_state():
-  _worker("fsdp_memory.py")
+  run_worker("fsdp_memory.py")
 
 
 def test_mesh_that_does_not_divide_devices():

@@ -109,6 +109,9 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   tokenizer = resolve_tokenizer(config, workdir)
   model_cfg = resolve_model_config(config, tokenizer)
   model_cfg, init_params = _initial_params(config, model_cfg)
+  pipeline = parallel.pipeline_from_config(config.pipeline, dict(mesh.shape), config.sharding,
+                                           model_cfg.num_layers,
+                                           config.batch_size // config.grad_accum)
   workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
 
   datasets = {split: data_lib.make_global_dataset(
@@ -143,7 +146,8 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
 
   last = {}
   window_start, window_tokens = None, 0.0
-  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+  with (parallel.axis_rules(layout.rules), jax.set_mesh(mesh),
+        parallel.pipeline_schedule(pipeline)):
     end = config.steps if stop_at is None else min(stop_at, config.steps)
     for step in range(start, end):
       batch = _to_global(next(train_iter), batch_sharding)

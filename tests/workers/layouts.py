@@ -1,11 +1,16 @@
-"""Worker: trains the same tiny model for N steps on 1 device and under several layouts.
+"""Worker: one tiny model trained for 10 steps on 1 device and under each layout.
 
 Run in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8.
-argv: OUT.json LAYOUT:MESH [LAYOUT:MESH ...], MESH like data=2,fsdp=2,tensor=2.
-Writes {name: {"losses": [...], "params": {path: max relative diff vs 1 device}}}.
+argv: OUT.json LAYOUT:MESH [...], MESH like data=2,fsdp=2,tensor=2.
+For each layout it compiles the train step once, records what the golden files
+hold (parameter and activation specs, collectives in the compiled HLO), then
+runs the compiled step and records losses and the largest relative parameter
+difference against one device.
 """
 
+import collections
 import json
+import re
 import sys
 
 import jax
@@ -23,6 +28,9 @@ MODEL = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_k
                     mlp_dim=128, tie_embeddings=False)
 OPT = ConfigDict(dict(lr=3e-3, warmup_steps=2, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
                       weight_decay=0.1, clip_norm=1.0))
+COLLECTIVE = re.compile(
+    r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute|ragged-all-to-all)"
+    r"(?:-start)?\(")
 
 
 def batches():
@@ -36,6 +44,10 @@ def batches():
   return out
 
 
+def _spec(spec):
+  return [list(a) if isinstance(a, tuple) else a for a in spec]
+
+
 def run(layout_name: str, mesh):
   layout = parallel.get_layout(layout_name)
   tx, schedule = make_optimizer(OPT, STEPS)
@@ -43,27 +55,39 @@ def run(layout_name: str, mesh):
     graphdef, state, shardings = create_train_state(MODEL, tx, mesh, seed=0, layout=layout)
     batch_sharding = jax.sharding.NamedSharding(
         mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
-    step = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding)
+    data = [{k: jax.device_put(v, batch_sharding) for k, v in b.items()} for b in batches()]
+    step = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding).lower(
+        state, data[0]).compile()
     losses = []
-    for b in batches():
-      state, metrics = step(state, {k: jax.device_put(v, batch_sharding) for k, v in b.items()})
+    for batch in data:
+      state, metrics = step(state, batch)
       losses.append(float(metrics["loss"]))
+  golden = {
+      "mesh": {k: v for k, v in mesh.shape.items() if v > 1},
+      "params": {jax.tree_util.keystr(p): _spec(x.sharding.spec)
+                 for p, x in jax.tree_util.tree_leaves_with_path(state["params"])},
+      "activations": {name: _spec(parallel.logical_to_spec((name,), layout.rules, mesh))
+                      for name in parallel.ACTIVATION_AXES},
+      "collectives": dict(sorted(collections.Counter(
+          m.group(1) for m in COLLECTIVE.finditer(step.as_text())).items())),
+  }
   params = {jax.tree_util.keystr(p): np.asarray(x)
             for p, x in jax.tree_util.tree_leaves_with_path(state["params"])}
-  return losses, params
+  return losses, params, golden
 
 
 def main():
   out_path, specs = sys.argv[1], sys.argv[2:]
-  base_losses, base_params = run("data_parallel", parallel.make_mesh({}, devices=jax.devices()[:1]))
+  base_losses, base_params, _ = run("data_parallel",
+                                    parallel.make_mesh({}, devices=jax.devices()[:1]))
   results = {"single_device": {"losses": base_losses}}
   for spec in specs:
     name, mesh_spec = spec.split(":")
     sizes = {k: int(v) for k, v in (kv.split("=") for kv in mesh_spec.split(","))}
-    losses, params = run(name, parallel.make_mesh(sizes))
+    losses, params, golden = run(name, parallel.make_mesh(sizes))
     diffs = {k: float(np.max(np.abs(params[k] - v)) / (np.max(np.abs(v)) + 1e-12))
              for k, v in base_params.items()}
-    results[spec] = {"losses": losses, "param_rel_diff": diffs}
+    results[spec] = {"losses": losses, "param_rel_diff": diffs, "golden": golden}
   with open(out_path, "w") as f:
     json.dump(results, f)
 
