@@ -13,6 +13,7 @@ def base_config() -> ConfigDict:
   c = ConfigDict()
   c.seed = 0
   c.steps = 1000
+  c.stop_at_step = 0        # >0: end this invocation after checkpointing this step (time-boxed jobs)
   c.batch_size = 8          # global, in sequences
   c.seq_len = 256
   c.grad_accum = 1          # microbatches per step; batch_size must divide evenly
@@ -59,6 +60,18 @@ def base_config() -> ConfigDict:
   c.pipeline.microbatches = 0     # 0: one per stage (stages = mesh.pipeline)
   c.pipeline.repeats = 1          # virtual stages per stage; > 1 needs schedule "circular"
   c.pipeline.schedule = "gpipe"   # "gpipe" | "circular"
+
+  # What to do about a non-finite or spiking loss: "skip" leaves the state
+  # untouched for non-finite steps (spikes are only logged); "rollback" restores
+  # the last checkpoint and skips the data window since then.
+  c.anomaly = ConfigDict(dict(policy="skip", zscore=0.0, window=50, max_rollbacks=5))
+  # Hang watchdog: exit 76 when a step outlasts max(min_seconds, factor x median step time).
+  c.watchdog = ConfigDict(dict(factor=20.0, min_seconds=600.0))
+  # Multi-process: exit 77 when a peer has been silent this long (keep well under
+  # parallel.distributed.HEARTBEAT_TIMEOUT_S / 2, where JAX aborts on its own).
+  c.peer_timeout_seconds = 20.0
+  # Test hooks: poison the gradients / sleep at this (1-based) step; -1 is off.
+  c.debug = ConfigDict(dict(nan_at_step=-1, slow_step_at=-1, slow_step_seconds=0.0))
 
   c.sample = ConfigDict()
   c.sample.prompt = ""

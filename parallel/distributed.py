@@ -16,6 +16,9 @@ from typing import Mapping
 import jax
 
 DEFAULT_PORT = 8476
+# JAX itself aborts every process (SIGABRT) 0.5-1.1x this long after a peer stops
+# heart-beating; meshlm's PeerMonitor (train/watchdog.py) must fire well before.
+HEARTBEAT_TIMEOUT_S = 100
 
 
 def detect(env: Mapping[str, str] | None = None, coordinator_address: str | None = None,
@@ -59,5 +62,5 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   # Collectives between CPU devices of different processes go through gloo;
   # GPUs and TPUs use their own and ignore this.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**kwargs)
+  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
   return True

@@ -1,6 +1,14 @@
-"""Asynchronous Orbax checkpoints of the train state and the data iterator's position."""
+"""Asynchronous Orbax checkpoints of the train state, the data iterator's position and the config.
 
+Orbax writes each checkpoint into a temporary directory and renames it when
+complete, so a half-written checkpoint is never listed. A complete but damaged
+one (truncated or missing file, bad metadata) fails to restore: `restore` then
+logs which one and why and falls back to the next older checkpoint.
+"""
+
+import logging
 import os
+import time
 
 import grain
 import jax
@@ -18,27 +26,65 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save,
                                            create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data"))
+                                         item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, data_iter, force: bool = False) -> bool:
-    """Starts an asynchronous save (returns before it is on disk); returns whether it did."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=grain.checkpoint.CheckpointSave(data_iter))
-    return self.manager.save(step, args=args, force=force)
+  def save(self, step: int, state, data_iter, config: dict | None = None,
+           force: bool = False) -> bool:
+    """Starts an asynchronous save: the state is copied to host memory before this returns,
+    and written in the background. Returns whether a save was started."""
+    items = dict(state=ocp.args.StandardSave(state),
+                 data=grain.checkpoint.CheckpointSave(data_iter))
+    if config is not None:
+      items["config"] = ocp.args.JsonSave(config)
+    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
   def restore(self, state_template, data_iter, step: int | None = None):
-    """Restores into shardings/dtypes of `state_template`; the iterator is restored in place."""
-    step = self.latest_step() if step is None else step
-    if step is None:
+    """Newest restorable checkpoint (or `step`) into the shardings of `state_template`.
+
+    The template's shardings may differ from those the checkpoint was written
+    with (another mesh or device count): Orbax reshards on read. The data
+    iterator is restored in place. Returns (state, step).
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+    if not steps:
       raise FileNotFoundError(f"no checkpoint found in {self.directory}")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_template)
-    restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                      data=grain.checkpoint.CheckpointRestore(data_iter)))
-    return restored["state"], step
+    failures = []
+    for candidate in steps:
+      try:
+        restored = self.manager.restore(candidate, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract),
+            data=grain.checkpoint.CheckpointRestore(data_iter)))
+      except Exception as e:  # any damage: truncated, missing or inconsistent files
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        logging.error("checkpoint %d in %s is unreadable (%s); trying an older one",
+                      candidate, self.directory, reason)
+        print(f"meshlm: checkpoint {candidate} is unreadable ({reason}); "
+              "falling back to an older one", flush=True)
+        failures.append((candidate, reason))
+        continue
+      if failures:
+        self._quarantine([s for s, _ in failures])
+      return restored["state"], candidate
+    raise ValueError(f"no readable checkpoint in {self.directory}: " +
+                     "; ".join(f"step {s}: {r}" for s, r in failures))
+
+  def _quarantine(self, steps):
+    """Moves unreadable checkpoints to checkpoints.corrupt/ so their steps can be saved again."""
+    if jax.process_index() == 0:
+      aside = self.directory + ".corrupt"
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        target = os.path.join(aside, f"{step}-{int(time.time())}")
+        os.replace(os.path.join(self.directory, str(step)), target)
+        print(f"meshlm: moved unreadable checkpoint {step} to {target}", flush=True)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("meshlm_checkpoint_quarantine")
+    self.manager.reload()
 
   def wait(self):
     self.manager.wait_until_finished()

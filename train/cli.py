@@ -2,6 +2,7 @@
 
   meshlm train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
   meshlm generate --model PATH_OR_WORKDIR --prompt TEXT [--max_new_tokens N] [--chat]
+  meshlm plan --config experiments/NAME.py --devices N [--mesh data=..,fsdp=..] [--budget_gb X] [--compile]
 """
 
 import os
@@ -10,7 +11,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-COMMANDS = ("train", "generate")
+COMMANDS = ("train", "generate", "plan")
 
 
 def _parse(argv: list[str]):
@@ -63,7 +64,17 @@ def run_train(fv) -> None:
   from infer import generate
   from train.loop import train
   from train.workdir import load_trained
-  last = train(config, fv["workdir"].value)
+  from train import exit_codes
+  from train.fault import Preempted
+  from train.watchdog import PeerMonitor
+  # Started before compilation so that start-up is covered too; no-op for one process.
+  monitor = PeerMonitor(timeout_s=config.peer_timeout_seconds, poll_s=1.0)
+  try:
+    last = train(config, fv["workdir"].value)
+  except Preempted as e:
+    print(f"meshlm: {e}", flush=True)
+    raise SystemExit(exit_codes.PREEMPTED) from e
+  monitor.close()
   print({k: round(v, 4) for k, v in last.items()})
   if config.sample.prompt and config.sample.max_new_tokens > 0:
     import jax
@@ -108,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
   apply_overlap_flags()  # before any JAX backend starts
   if not argv or argv[0] not in COMMANDS:
     raise SystemExit(f"usage: meshlm {{{'|'.join(COMMANDS)}}} [flags]   (meshlm CMD --help)")
+  if argv[0] == "plan":
+    from parallel.plan_cli import main as plan_main
+    return plan_main(argv[1:])
   fv = _parse(argv)
   try:
     (run_train if argv[0] == "train" else run_generate)(fv)

@@ -26,7 +26,11 @@ def loss_sum_and_count(graphdef, params, batch):
   return jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT), jnp.sum(mask_BT)
 
 
-def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1):
+def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
+               inject_nan: bool = False):
+  """One optimizer update. A non-finite loss or gradient leaves params and
+  optimizer state unchanged (the step still counts) and reports `skipped`=1.
+  `inject_nan` poisons the gradients: a test hook for that path."""
   params = state["params"]
   total_tokens = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
 
@@ -38,7 +42,10 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1):
   if grad_accum == 1:
     loss, grads = grad_fn(params, batch)
   else:
-    micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+    # Microbatch k takes rows k, k+A, k+2A, ...: a slice of every device's rows,
+    # so microbatches stay sharded like the batch instead of being resharded.
+    micro = jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)
 
     def accumulate(carry, mb):
       loss, grads = carry
@@ -48,11 +55,17 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1):
     zeros = jax.tree.map(jnp.zeros_like, params)
     (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
 
+  if inject_nan:
+    grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_state = dict(state, params=optax.apply_updates(params, updates), opt_state=opt_state,
-                   step=state["step"] + 1)
-  metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-             "tokens": total_tokens}
+  new_params = optax.apply_updates(params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_state = dict(state, params=keep(new_params, params),
+                   opt_state=keep(opt_state, state["opt_state"]), step=state["step"] + 1)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+             "tokens": total_tokens, "skipped": 1.0 - finite.astype(jnp.float32)}
   return new_state, metrics
 
 
@@ -61,9 +74,10 @@ def eval_step(params, batch, *, graphdef):
   return loss_sum_and_count(graphdef, params, batch)
 
 
-def jit_train_step(graphdef, tx, schedule, state_shardings, batch_sharding, grad_accum=1):
+def jit_train_step(graphdef, tx, schedule, state_shardings, batch_sharding, grad_accum=1,
+                   inject_nan=False):
   step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                           grad_accum=grad_accum)
+                           grad_accum=grad_accum, inject_nan=inject_nan)
   return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                  out_shardings=(state_shardings, None), donate_argnums=0)
 

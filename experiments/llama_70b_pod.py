@@ -1,0 +1,55 @@
+"""Llama-3-70B-class pretraining on 256 devices: pipeline x FSDP x tensor parallel.
+
+4 pipeline stages (circular schedule, 2 repeats: each device holds two chunks of
+10 layers; 16 microbatches: bubble 3/35 = 8.6%), FSDP over 8, and Megatron
+tensor parallelism with sequence parallelism over 8 (the 8 key/value heads
+bound it: keep `tensor` within a node's fast links). Plan it:
+
+  meshlm plan --config experiments/llama_70b_pod.py --devices 256 --budget_gb 80
+
+Train it (set the data and a Llama-3 tokenizer first; one process per host):
+
+  meshlm train --config experiments/llama_70b_pod.py --workdir runs/llama_70b \\
+      --config.data.path=DATA --config.tokenizer.path=TOKENIZER_DIR
+"""
+
+from ml_collections import ConfigDict
+
+from experiments.defaults import base_config
+
+
+def get_config():
+  c = base_config()
+  c.steps = 10_000
+  c.batch_size = 256
+  c.seq_len = 8192
+  c.grad_accum = 2          # halves the logits, computed for a whole model call at once
+  c.log_every = 10
+  c.eval_every = 500
+  c.checkpoint_every = 500
+
+  c.model.vocab_size = 128256
+  c.model.d_model = 8192
+  c.model.num_layers = 80
+  c.model.num_heads = 64
+  c.model.num_kv_heads = 8
+  c.model.mlp_dim = 28672
+  c.model.rope_theta = 500000.0
+  c.model.norm_eps = 1e-5
+  c.model.max_seq_len = 8192
+  c.model.param_dtype = "float32"
+  c.model.dtype = "bfloat16"
+  c.model.remat = "full"
+
+  c.optimizer.lr = 1.5e-4
+  c.optimizer.warmup_steps = 2000
+  c.optimizer.weight_decay = 0.1
+
+  c.mesh = dict(data=1, fsdp=8, tensor=8, pipeline=4, expert=1, sequence=1)
+  c.sharding = "pipeline+fsdp+tensor+sequence"
+  if "pipeline" not in c:  # keys as parallel/pipeline.py reads them
+    c.pipeline = ConfigDict(dict(microbatches=0, repeats=1, schedule="gpipe"))
+  c.pipeline.microbatches = 16   # 128 rows per call -> 16 microbatches of 8: a row per FSDP shard
+  c.pipeline.repeats = 2
+  c.pipeline.schedule = "circular"
+  return c

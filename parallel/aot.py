@@ -1,0 +1,115 @@
+"""Ahead-of-time compile of the real train step on fake CPU devices, from shapes only.
+
+`compile_memory(config, mesh_sizes, sharding)` lowers and compiles
+`train.step.train_step` exactly as `train.loop.train` jits it (in/out shardings
+from `train.state.state_shardings`, donated state) for abstract inputs
+(`jax.eval_shape` and `ShapeDtypeStruct`s: nothing is allocated), and returns
+XLA's per-device `memory_analysis()`. It needs as many devices as the mesh; as
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` must be set before JAX
+starts, `compile_in_subprocess` runs it in a fresh interpreter:
+
+  echo '{"config": {...}, "mesh": {"fsdp": 8}, "sharding": "fsdp"}' | \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m parallel.aot
+
+which prints one JSON line. The peak a device needs is taken as
+argument + output − aliased (donated) + temporaries.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Mapping
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict:
+  """Compiles the train step for `mesh_sizes` on this process's devices; per-device bytes."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from ml_collections import ConfigDict
+
+  import parallel
+  from experiments.defaults import model_config_from
+  from train.optimizer import make_optimizer
+  from train.state import abstract_model, state_shardings
+  from train.step import jit_train_step
+
+  config = config if isinstance(config, ConfigDict) else ConfigDict(config)
+  model_cfg = model_config_from(config)
+  mesh = parallel.make_mesh(dict(mesh_sizes))
+  layout = parallel.get_layout(sharding)
+  tx, schedule = make_optimizer(config.optimizer, int(config.steps))
+  graphdef, params = abstract_model(model_cfg)
+  abstract = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
+              "step": jax.ShapeDtypeStruct((), jnp.int32),
+              "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+  batch = {k: jax.ShapeDtypeStruct((int(config.batch_size), int(config.seq_len)), jnp.int32)
+           for k in ("inputs", "targets", "segment_ids", "positions")}
+  start = time.perf_counter()
+  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh), _pipeline(config, mesh, sharding,
+                                                                        model_cfg):
+    shardings = state_shardings(abstract, mesh, layout)
+    batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
+    step = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding,
+                          int(config.grad_accum))
+    compiled = step.lower(abstract, batch).compile()
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  counts = {k: len(re.findall(rf"= \S+ {k}(-start)?\(", hlo)) for k in COLLECTIVES}
+  return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
+              alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
+              peak=m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+              + m.temp_size_in_bytes,
+              devices=len(jax.devices()), compile_seconds=round(seconds, 2),
+              collectives={k: v for k, v in counts.items() if v})
+
+
+def _pipeline(config, mesh, sharding, model_cfg):
+  """The pipeline schedule training runs for this config (as train/loop.py builds it), or none."""
+  import parallel
+  section = config.get("pipeline", None) or dict(microbatches=0, repeats=1, schedule="gpipe")
+  pcfg = parallel.pipeline_from_config(section, dict(mesh.shape), sharding, model_cfg.num_layers,
+                                       int(config.batch_size) // int(config.grad_accum))
+  return parallel.pipeline_schedule(pcfg)
+
+
+def compile_in_subprocess(config, devices: int, mesh_sizes: Mapping[str, int], sharding: str,
+                          timeout: float | None = None) -> dict:
+  """`compile_memory` in a fresh interpreter with `devices` fake CPU devices."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                 os.environ.get("XLA_FLAGS", ""))
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+             PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
+  config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  request = json.dumps(dict(config=config, mesh=dict(mesh_sizes), sharding=sharding))
+  out = subprocess.run([sys.executable, "-m", "parallel.aot"], input=request, env=env, cwd=_REPO,
+                       capture_output=True, text=True, timeout=timeout)
+  lines = out.stdout.strip().splitlines()
+  if out.returncode != 0 or not lines:
+    raise RuntimeError(f"AOT compile on {devices} fake devices failed:\n{out.stderr[-3000:]}")
+  return json.loads(lines[-1])
+
+
+def compare(estimate_bytes: float, compiled: dict) -> dict:
+  """Estimate vs compiled peak, with their ratio."""
+  return dict(estimate=int(estimate_bytes), compiled=int(compiled["peak"]),
+              ratio=estimate_bytes / compiled["peak"] if compiled["peak"] else math.inf)
+
+
+def _main():
+  request = json.loads(sys.stdin.read())
+  result = compile_memory(request["config"], request["mesh"], request["sharding"])
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  _main()

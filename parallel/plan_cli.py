@@ -1,0 +1,232 @@
+"""`meshlm plan`: sizes a layout, checks it against an AOT compile, and suggests others.
+
+  meshlm plan --config experiments/NAME.py --devices N [--mesh data=2,fsdp=4] [--sharding S]
+              [--budget_gb X] [--compile] [--json] [--top K] [--config.KEY=VALUE ...]
+
+Without --mesh/--sharding the config's `mesh` and `sharding` are planned. The
+estimates come from `parallel.planner`; --compile also compiles the real train
+step on N fake CPU devices (`parallel.aot`, in a subprocess) and prints XLA's
+per-device memory next to the estimate. Suggestions enumerate meshes over
+data/fsdp/tensor/pipeline (and expert for MoE configs) that factor N, drop
+those that do not divide, and rank those within --budget_gb by communication
+bytes per device per step / (1 − pipeline bubble).
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from parallel.planner import GiB, Planner
+
+_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
+
+
+def _factorizations(n: int, parts: int):
+  if parts == 1:
+    yield (n,)
+    return
+  for d in range(1, n + 1):
+    if n % d == 0:
+      for rest in _factorizations(n // d, parts - 1):
+        yield (d,) + rest
+
+
+def layouts_for(sizes) -> list[str]:
+  """The layouts using every axis of a mesh: a strategy per axis, ± ZeRO-1 and Megatron-SP."""
+  parts = [a for a in ("pipeline", "fsdp", "tensor", "expert") if sizes.get(a, 1) > 1]
+  variants = [parts]
+  if sizes.get("data", 1) > 1:
+    variants.append(parts + ["zero1"])
+  if sizes.get("tensor", 1) > 1:
+    variants += [v + ["sequence"] for v in list(variants)]
+  return ["+".join(v) or "data_parallel" for v in variants]
+
+
+def suggest(planner: Planner, devices: int, budget_bytes: float = 0, top: int = 10) -> dict:
+  """Ranked layouts for `devices`; candidates that do not divide (ValueError) are dropped."""
+  axes = ["data", "fsdp", "tensor", "pipeline"] + (["expert"] if planner.work.num_experts else [])
+  ranked, rejected, over = [], 0, 0
+  for factors in _factorizations(devices, len(axes)):
+    sizes = dict(zip(axes, factors))
+    for sharding in layouts_for(sizes):
+      try:
+        est = planner.estimate(sizes, sharding, devices)
+      except ValueError:
+        rejected += 1
+        continue
+      total = est["memory"]["total"]
+      if budget_bytes and total > budget_bytes:
+        over += 1
+        continue
+      bubble = est["pipeline"]["bubble"] if est["pipeline"] else 0.0
+      ranked.append(dict(mesh=est["mesh"], sharding=sharding, memory=total,
+                         comm=est["comm_total"], bubble=bubble,
+                         score=est["comm_total"] / (1 - bubble)))
+  ranked.sort(key=lambda r: (r["score"], r["memory"]))
+  return dict(candidates=len(ranked) + rejected + over, not_dividing=rejected,
+              over_budget=over, fitting=len(ranked), top=ranked[:top])
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  sizes = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    axis, _, value = part.partition("=")
+    if axis not in _AXES or not value.lstrip("-").isdigit():
+      raise ValueError(f"--mesh: {part!r} is not AXIS=SIZE with AXIS one of {_AXES}")
+    sizes[axis] = int(value)
+  return sizes
+
+
+def _gib(n: float) -> str:
+  return f"{n / GiB:.2f}" if n >= GiB / 10 else f"{n / GiB:.3g}"
+
+
+def _mesh_str(mesh) -> str:
+  return " ".join(f"{a}={s}" for a, s in mesh.items())
+
+
+def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_=False,
+         top=10, do_suggest=True) -> dict:
+  """Everything `meshlm plan` prints, as one JSON-able dict."""
+  planner = Planner(config)
+  w = planner.work
+  mesh = dict(config.mesh.to_dict() if mesh is None else mesh)
+  sharding = sharding or config.sharding
+  est = planner.estimate(mesh, sharding, devices)
+  out = dict(params=planner.param_count, devices=devices, batch_size=w.batch_size,
+             seq_len=w.seq_len, grad_accum=w.grad_accum, remat=w.model.remat,
+             dtype=w.model.dtype, param_dtype=w.model.param_dtype,
+             moe=dict(num_experts=w.num_experts, top_k=w.top_k) if w.num_experts else None,
+             estimate=est, budget_gb=budget_gb or None)
+  if compile_:
+    if w.num_experts and not planner.model_has_experts:
+      out["compiled"] = None
+      out["compile_note"] = (
+          f"AOT compile skipped: the config asks for {w.num_experts} experts (config.moe) but "
+          "models/ has no MoE layers yet, so the real train step would be the dense model; the "
+          "estimate above adds the expert weights itself")
+    else:
+      from parallel.aot import compare, compile_in_subprocess
+      compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
+      out["compiled"] = compiled
+      out["comparison"] = compare(est["memory"]["total"], compiled)
+      if w.model.dtype != "float32":  # the CPU backend computes bfloat16 in float32
+        cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
+        out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
+  if do_suggest:
+    out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top)
+  return out
+
+
+def format_plan(p: dict, command: str = "") -> str:
+  est, mem = p["estimate"], p["estimate"]["memory"]
+  lines = []
+  if command:
+    lines.append(f"$ {command}")
+  moe = (f", MoE {p['moe']['num_experts']} experts top-{p['moe']['top_k']}" if p["moe"] else "")
+  count = f"{p['params'] / 1e9:.2f}B" if p["params"] >= 1e9 else f"{p['params'] / 1e6:.1f}M"
+  lines.append(f"{count} parameters{moe}; batch {p['batch_size']} x {p['seq_len']}"
+               f" tokens, grad_accum {p['grad_accum']}, remat {p['remat']}, {p['dtype']} compute, "
+               f"{p['param_dtype']} params")
+  lines.append(f"{p['devices']} devices: mesh {_mesh_str(est['mesh'])}, sharding {est['sharding']}, "
+               f"{est['rows_per_device']} row(s) per device per model call")
+  for axis in est["unused_axes"]:
+    lines.append(f"warning: mesh axis {axis}={est['mesh'][axis]} is not used by sharding "
+                 f"{est['sharding']!r}: devices along it repeat the same work")
+  if est["pipeline"]:
+    pp = est["pipeline"]
+    lines.append(f"pipeline: {pp['stages']} stages, {pp['microbatches']} microbatches, "
+                 f"{pp['repeats']} repeat(s), {pp['schedule']}: bubble {pp['bubble']:.1%}")
+  lines.append("")
+  lines.append("memory per device                 GiB")
+  for key in ("params", "grads", "optimizer", "activations", "batch", "total"):
+    lines.append(f"  {key:<28s}{_gib(mem[key]):>9s}")
+    if key == "activations":
+      for k, v in est["activations"].items():
+        lines.append(f"    {k:<26s}{_gib(v):>9s}")
+  if p["budget_gb"]:
+    fits = "fits" if mem["total"] <= p["budget_gb"] * GiB else "DOES NOT FIT"
+    lines.append(f"  budget {p['budget_gb']:g} GiB: {fits}")
+  lines.append("")
+  lines.append("communication per device per step                      axes          GiB")
+  for row in est["comm"]:
+    lines.append(f"  {row['collective']:<53s}{row['axes']:<12s}{_gib(row['bytes']):>7s}")
+  lines.append(f"  {'total':<65s}{_gib(est['comm_total']):>7s}")
+  if "compiled" in p:
+    lines.append("")
+    if p["compiled"] is None:
+      lines.append(p["compile_note"])
+    else:
+      c, cmp = p["compiled"], p["comparison"]
+      lines.append(f"AOT compile of the train step on {c['devices']} fake CPU devices "
+                   f"({c['compile_seconds']:.0f} s), XLA memory_analysis per device:")
+      lines.append(f"  argument {_gib(c['argument'])} + output {_gib(c['output'])} - aliased "
+                   f"{_gib(c['alias'])} + temp {_gib(c['temp'])} = {_gib(c['peak'])} GiB")
+      lines.append(f"  estimate {_gib(cmp['estimate'])} GiB / compiled {_gib(cmp['compiled'])} GiB "
+                   f"= {cmp['ratio']:.2f}")
+      if "comparison_cpu" in p:
+        cpu = p["comparison_cpu"]
+        lines.append(f"  as the CPU backend runs it ({p['dtype']} math in float32): estimate "
+                     f"{_gib(cpu['estimate'])} GiB / compiled = {cpu['ratio']:.2f}")
+      if c.get("collectives"):
+        lines.append("  collectives in the compiled step: " + ", ".join(
+            f"{k} x{v}" for k, v in c["collectives"].items()))
+  if "suggestions" in p:
+    s = p["suggestions"]
+    budget = f"within {p['budget_gb']:g} GiB" if p["budget_gb"] else "(no budget)"
+    lines.append("")
+    lines.append(f"suggested layouts for {p['devices']} devices {budget}: {s['candidates']} "
+                 f"candidates, {s['not_dividing']} do not divide, {s['over_budget']} over budget; "
+                 "ranked by comm / (1 - bubble)")
+    lines.append(f"  {'#':>2s}  {'mesh':<32s}{'sharding':<36s}{'mem GiB':>8s}{'comm GiB':>10s}"
+                 f"{'bubble':>8s}")
+    for i, r in enumerate(s["top"], 1):
+      bubble = f"{r['bubble']:.0%}" if r["bubble"] else "-"
+      lines.append(f"  {i:>2d}  {_mesh_str(r['mesh']):<32s}{r['sharding']:<36s}"
+                   f"{_gib(r['memory']):>8s}{_gib(r['comm']):>10s}{bubble:>8s}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  """`meshlm plan ARGS`: argv is everything after `plan`."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
+                                  lock_config=True, sys_argv=["meshlm"] + argv)
+  flags.DEFINE_integer("devices", None, "number of devices to plan for", flag_values=fv)
+  flags.DEFINE_string("mesh", None, "axis sizes, e.g. data=2,fsdp=4 (default: config.mesh)",
+                      flag_values=fv)
+  flags.DEFINE_string("sharding", None, "layout, e.g. fsdp+tensor (default: config.sharding)",
+                      flag_values=fv)
+  flags.DEFINE_float("budget_gb", 0.0, "per-device memory budget in GiB (0: none)", flag_values=fv)
+  flags.DEFINE_bool("compile", False, "AOT-compile the train step on fake CPU devices",
+                    flag_values=fv)
+  flags.DEFINE_bool("json", False, "print one JSON document", flag_values=fv)
+  flags.DEFINE_integer("top", 10, "suggestions to show", flag_values=fv)
+  flags.DEFINE_bool("suggest", True, "enumerate and rank other layouts", flag_values=fv)
+  try:
+    fv(["meshlm"] + argv)
+  except (flags.Error, AttributeError, KeyError, ValueError) as e:
+    raise SystemExit(f"meshlm plan: {str(e).strip(chr(39))}")
+  path = fv["config"].config_filename if fv["config"].present else None
+  if path is None or fv["devices"].value is None:
+    raise SystemExit("meshlm plan: --config and --devices are required")
+  if not os.path.isfile(path):
+    raise SystemExit(f"meshlm plan: config file {path} does not exist")
+  try:
+    mesh = parse_mesh(fv["mesh"].value) if fv["mesh"].value else None
+    result = plan(fv["config"].value, fv["devices"].value, mesh, fv["sharding"].value,
+                  fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value)
+  except ValueError as e:
+    raise SystemExit(f"meshlm plan: error: {e}") from e
+  if fv["json"].value:
+    print(json.dumps(result, indent=1, default=float))
+  else:
+    print(format_plan(result))
+
+
+if __name__ == "__main__":
+  main()

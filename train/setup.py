@@ -1,0 +1,101 @@
+"""Everything a run needs before its first step, checked before anything is written."""
+
+import dataclasses
+import os
+
+import jax
+from ml_collections import ConfigDict
+
+import parallel
+from experiments.defaults import model_config_from
+from models import ConfigError, ModelConfig, Tokenizer
+from train import data as data_lib
+from train import workdir as workdir_lib
+
+ANOMALY_POLICIES = ("skip", "rollback")
+
+
+def validate(config: ConfigDict) -> None:
+  """Checks the loop's own keys; ModelConfig checks the model's."""
+  for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
+              "eval_batches", "checkpoint_every", "keep_checkpoints"):
+    if int(config[key]) <= 0:
+      raise ConfigError(f"config.{key} must be positive, got {config[key]}")
+  model_config_from(config)  # raises ConfigError naming the bad model key
+  if config.anomaly.policy not in ANOMALY_POLICIES:
+    raise ConfigError(f"config.anomaly.policy={config.anomaly.policy!r}; "
+                      f"choose one of {ANOMALY_POLICIES}")
+  for key in ("init_from", "tokenizer.path"):
+    path = config.init_from if key == "init_from" else config.tokenizer.path
+    if path and not os.path.exists(path):
+      raise FileNotFoundError(f"config.{key}: checkpoint path {path} does not exist")
+  per_process = config.batch_size // jax.process_count()
+  if config.batch_size % jax.process_count() or per_process % config.grad_accum:
+    raise ConfigError(f"config.batch_size={config.batch_size} must split evenly over "
+                      f"{jax.process_count()} process(es) x grad_accum={config.grad_accum}")
+
+
+def resolve_tokenizer(config: ConfigDict, workdir: str) -> Tokenizer:
+  """Resume: the workdir's. Else tokenizer.path, init_from, or a BPE trained on the data."""
+  if os.path.isdir(os.path.join(workdir, "tokenizer")):
+    return workdir_lib.load_tokenizer(workdir)
+  path = config.tokenizer.path or config.init_from
+  if path:
+    if workdir_lib.is_workdir(path):
+      return workdir_lib.load_tokenizer(path)
+    from models import load_pretrained_tokenizer
+    return load_pretrained_tokenizer(path)
+  if config.tokenizer.train_vocab_size > 0:
+    from train.tokenizer_training import train_bpe_tokenizer
+    return train_bpe_tokenizer(data_lib.load_split(config.data, "train"),
+                               config.tokenizer.train_vocab_size)
+  raise ConfigError("no tokenizer: set tokenizer.path, init_from or tokenizer.train_vocab_size")
+
+
+def resolve_model_config(config: ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+  model_cfg = model_config_from(config)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but "
+                      f"model.vocab_size={model_cfg.vocab_size}")
+  if model_cfg.bos_id is None and model_cfg.eos_id is None:
+    values = dict(model_cfg.to_dict(), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    model_cfg = ModelConfig.from_mapping(values)
+  return model_cfg
+
+
+def _initial_params(config: ConfigDict, model_cfg: ModelConfig):
+  if not config.init_from:
+    return model_cfg, None
+  if workdir_lib.is_workdir(config.init_from):
+    model, _, _ = workdir_lib.load_trained(config.init_from)
+  else:
+    from models import load_pretrained
+    model, _ = load_pretrained(config.init_from)
+  from flax import nnx
+  return model.cfg, nnx.state(model, nnx.Param)
+
+
+@dataclasses.dataclass
+class Plan:
+  """The resolved pieces of a run: mesh, layout, tokenizer, model config, pipeline."""
+  mesh: jax.sharding.Mesh
+  layout: parallel.Layout
+  tokenizer: Tokenizer
+  model_cfg: ModelConfig
+  init_params: object
+  pipeline: object
+
+
+def plan_run(config: ConfigDict, workdir: str) -> Plan:
+  """Validates and resolves; raises before writing anything, then writes the workdir metadata."""
+  validate(config)
+  mesh = parallel.make_mesh(config.mesh.to_dict())
+  layout = parallel.get_layout(config.sharding)
+  tokenizer = resolve_tokenizer(config, workdir)
+  model_cfg = resolve_model_config(config, tokenizer)
+  model_cfg, init_params = _initial_params(config, model_cfg)
+  pipeline = parallel.pipeline_from_config(config.pipeline, dict(mesh.shape), config.sharding,
+                                           model_cfg.num_layers,
+                                           config.batch_size // config.grad_accum)
+  workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
+  return Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline)
