@@ -64,6 +64,7 @@ LAYOUTS = [
     "tensor+sequence:data=2,sequence=2,tensor=2",
     "expert:data=4,expert=2",
     "fsdp+tensor:data=2,fsdp=2,tensor=2",
+    "pipeline+fsdp:pipeline=2,fsdp=4",  # GPipe, 2 microbatches
 ]
 
 

@@ -51,6 +51,8 @@ def test_collectives_are_the_ones_each_strategy_needs(compiled):
   assert compiled["tensor"]["collectives"]["all-reduce"] > compiled["data_parallel"]["collectives"]["all-reduce"]
   # ZeRO-1: moments sharded, so updated parameters are gathered back.
   assert "all-gather" in kinds["zero1"]
+  # Pipeline stages hand activations on with collective-permutes.
+  assert "collective-permute" in kinds["pipeline+fsdp"]
   # Parameter shardings say the same thing directly.
   fsdp = compiled["fsdp"]["params"]
   assert all("fsdp" in json.dumps(spec) for spec in fsdp.values()), fsdp

@@ -51,7 +51,9 @@ def _spec(spec):
 def run(layout_name: str, mesh):
   layout = parallel.get_layout(layout_name)
   tx, schedule = make_optimizer(OPT, STEPS)
-  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+  stages = dict(mesh.shape).get("pipeline", 1)
+  pipeline = parallel.PipelineConfig(stages, microbatches=2) if stages > 1 else None
+  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh), parallel.pipeline_schedule(pipeline):
     graphdef, state, shardings = create_train_state(MODEL, tx, mesh, seed=0, layout=layout)
     batch_sharding = jax.sharding.NamedSharding(
         mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
