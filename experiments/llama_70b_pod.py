@@ -13,7 +13,6 @@ Train it (set the data and a Llama-3 tokenizer first; one process per host):
       --config.data.path=DATA --config.tokenizer.path=TOKENIZER_DIR
 """
 
-from ml_collections import ConfigDict
 
 from experiments.defaults import base_config
 
@@ -47,8 +46,6 @@ def get_config():
 
   c.mesh = dict(data=1, fsdp=8, tensor=8, pipeline=4, expert=1, sequence=1)
   c.sharding = "pipeline+fsdp+tensor+sequence"
-  if "pipeline" not in c:  # keys as parallel/pipeline.py reads them
-    c.pipeline = ConfigDict(dict(microbatches=0, repeats=1, schedule="gpipe"))
   c.pipeline.microbatches = 16   # 128 rows per call -> 16 microbatches of 8: a row per FSDP shard
   c.pipeline.repeats = 2
   c.pipeline.schedule = "circular"
