@@ -22,6 +22,7 @@ def base_config() -> ConfigDict:
   c.eval_batches = 4
   c.checkpoint_every = 200
   c.keep_checkpoints = 3
+  c.keep_checkpoint_every = 0   # >0: also keep every checkpoint whose step is a multiple of this
   c.async_checkpoints = True
   c.peak_flops_per_device = 0.0   # 0: data-sheet value on accelerators, measured on CPU
   c.init_from = ""          # optional: HF directory, .gguf file, or meshlm workdir to start from

@@ -129,3 +129,11 @@ def test_quickstart_200_steps_beats_unigram_entropy(tmp_path):
   entropy = unigram_entropy(ids)
   print(f"quickstart: val_loss={last['val_loss']:.3f} unigram_entropy={entropy:.3f}")
   assert last["val_loss"] < entropy - 1.0, (last["val_loss"], entropy)
+
+
+def test_keeps_the_newest_k_plus_every_mth(tmp_path, shakespeare_slice):
+  config = tiny_config(steps=12, **{"data.path": shakespeare_slice, "checkpoint_every": 2,
+                                    "keep_checkpoints": 2, "keep_checkpoint_every": 4})
+  train(config, str(tmp_path))
+  steps = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert steps == [4, 8, 10, 12]

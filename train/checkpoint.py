@@ -18,11 +18,13 @@ import orbax.checkpoint as ocp
 class Checkpointer:
   """Keeps the last `keep` checkpoints under WORKDIR/checkpoints; the loop decides when to save."""
 
-  def __init__(self, workdir: str, keep: int, async_save: bool = True):
-    if keep <= 0:
-      raise ValueError(f"keep_checkpoints must be positive, got {keep}")
+  def __init__(self, workdir: str, keep: int, async_save: bool = True, keep_every: int = 0):
+    """Keeps the newest `keep` checkpoints, plus every step divisible by `keep_every` (if > 0)."""
+    if keep <= 0 or keep_every < 0:
+      raise ValueError(f"keep_checkpoints must be positive and keep_checkpoint_every >= 0, "
+                       f"got {keep} and {keep_every}")
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep,
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None,
                                            enable_async_checkpointing=async_save,
                                            create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,

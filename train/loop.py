@@ -71,7 +71,8 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   step_fn = make_step()
   eval_fn = jit_eval_step(graphdef, shardings["params"], batch_sharding)
 
-  ckpt = Checkpointer(workdir, config.keep_checkpoints, config.async_checkpoints)
+  ckpt = Checkpointer(workdir, config.keep_checkpoints, config.async_checkpoints,
+                      config.keep_checkpoint_every)
   goodput.add("startup", time.perf_counter() - started)
   if ckpt.latest_step() is not None:
     t = time.perf_counter()
