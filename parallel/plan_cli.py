@@ -10,6 +10,11 @@ per-device memory next to the estimate. Suggestions enumerate meshes over
 data/fsdp/tensor/pipeline (and expert for MoE configs) that factor N, drop
 those that do not divide, and rank those within --budget_gb by communication
 bytes per device per step / (1 − pipeline bubble).
+
+It also recommends a checkpoint interval (Young/Daly, sqrt(2 × checkpoint cost ×
+job MTBF)) from --failures_per_device_day, --checkpoint_gbps per host and
+--devices_per_host, and a step time (--step_seconds, or model FLOPs at --mfu of
+--peak_tflops); `parallel.planner.checkpoint_recommendation` lists the assumptions.
 """
 
 import json
@@ -19,7 +24,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from parallel.planner import GiB, Planner
+from parallel.planner import GiB, Planner, checkpoint_recommendation
 
 _AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
 
@@ -89,8 +94,11 @@ def _mesh_str(mesh) -> str:
 
 
 def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_=False,
-         top=10, do_suggest=True) -> dict:
-  """Everything `meshlm plan` prints, as one JSON-able dict."""
+         top=10, do_suggest=True, checkpointing: dict | None = None) -> dict:
+  """Everything `meshlm plan` prints, as one JSON-able dict.
+
+  `checkpointing`: keyword arguments of `checkpoint_recommendation` (defaults if None).
+  """
   planner = Planner(config)
   w = planner.work
   mesh = dict(config.mesh.to_dict() if mesh is None else mesh)
@@ -101,6 +109,7 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
              dtype=w.model.dtype, param_dtype=w.model.param_dtype,
              moe=dict(num_experts=w.num_experts, top_k=w.top_k) if w.num_experts else None,
              estimate=est, budget_gb=budget_gb or None)
+  out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
   if compile_:
     if w.num_experts and not planner.model_has_experts:
       out["compiled"] = None
@@ -155,6 +164,9 @@ def format_plan(p: dict, command: str = "") -> str:
   for row in est["comm"]:
     lines.append(f"  {row['collective']:<53s}{row['axes']:<12s}{_gib(row['bytes']):>7s}")
   lines.append(f"  {'total':<65s}{_gib(est['comm_total']):>7s}")
+  if p.get("checkpointing"):
+    lines.append("")
+    lines.extend(format_checkpointing(p["checkpointing"]))
   if "compiled" in p:
     lines.append("")
     if p["compiled"] is None:
@@ -190,6 +202,27 @@ def format_plan(p: dict, command: str = "") -> str:
   return "\n".join(lines)
 
 
+def _duration(seconds: float) -> str:
+  for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+    if seconds >= size:
+      return f"{seconds / size:.1f} {unit}"
+  return f"{seconds:.1f} s"
+
+
+def format_checkpointing(c: dict) -> list[str]:
+  return [
+      f"checkpoint interval (Young/Daly): {c['failures_per_device_day']:g} failures per "
+      f"device-day x {c['devices']} devices -> job MTBF {_duration(c['mtbf_seconds'])}",
+      f"  checkpoint cost {c['checkpoint_seconds']:.1f} s: {_gib(c['state_bytes_per_device'])} "
+      f"GiB of params+optimizer per device x {c['devices_per_host']} devices per host at "
+      f"{c['write_gbps_per_host']:g} GB/s per host (a synchronous write; async saves block less)",
+      f"  step {c['step_seconds']:.2f} s ({c['step_source']}; {c['step_flops']:.3g} FLOP/step)",
+      f"  recommended: every {_duration(c['interval_seconds'])} = {c['interval_steps']:,} steps, "
+      f"{c['waste']:.2%} of time lost to saves and redone work; config.checkpoint_every="
+      f"{c['config_every']} ({_duration(c['config_every'] * c['step_seconds'])}): "
+      f"{c['config_waste']:.2%}"]
+
+
 def main(argv: list[str] | None = None) -> None:
   """`meshlm plan ARGS`: argv is everything after `plan`."""
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -207,6 +240,16 @@ def main(argv: list[str] | None = None) -> None:
   flags.DEFINE_bool("json", False, "print one JSON document", flag_values=fv)
   flags.DEFINE_integer("top", 10, "suggestions to show", flag_values=fv)
   flags.DEFINE_bool("suggest", True, "enumerate and rank other layouts", flag_values=fv)
+  flags.DEFINE_float("failures_per_device_day", 1e-4, "failure rate per device per day",
+                     flag_values=fv)
+  flags.DEFINE_float("checkpoint_gbps", 1.0, "checkpoint write bandwidth per host, GB/s",
+                     flag_values=fv)
+  flags.DEFINE_integer("devices_per_host", 8, "devices per host", flag_values=fv)
+  flags.DEFINE_float("step_seconds", 0.0, "measured step time (0: estimate from FLOPs)",
+                     flag_values=fv)
+  flags.DEFINE_float("mfu", 0.4, "assumed MFU for the step-time estimate", flag_values=fv)
+  flags.DEFINE_float("peak_tflops", 989.0, "peak TFLOP/s per device for the step-time estimate "
+                     "(989: H100 dense bf16)", flag_values=fv)
   try:
     fv(["meshlm"] + argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -218,8 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(f"meshlm plan: config file {path} does not exist")
   try:
     mesh = parse_mesh(fv["mesh"].value) if fv["mesh"].value else None
+    checkpointing = dict(failures_per_device_day=fv["failures_per_device_day"].value,
+                         write_gbps_per_host=fv["checkpoint_gbps"].value,
+                         devices_per_host=fv["devices_per_host"].value,
+                         step_seconds=fv["step_seconds"].value, mfu=fv["mfu"].value,
+                         peak_tflops=fv["peak_tflops"].value)
     result = plan(fv["config"].value, fv["devices"].value, mesh, fv["sharding"].value,
-                  fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value)
+                  fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value,
+                  checkpointing)
   except ValueError as e:
     raise SystemExit(f"meshlm plan: error: {e}") from e
   if fv["json"].value:
