@@ -36,3 +36,13 @@ def test_goodput_counts_recomputed_steps_after_a_restart(tmp_path):
   assert summary["seconds"]["recompute"] == 4.0  # steps 7-10 ran twice
   assert summary["seconds"]["train"] == 12.0
   assert abs(summary["goodput"] - 12.0 / 18.0) < 1e-12
+
+
+def test_metrics_writer_drops_a_torn_last_line(tmp_path):
+  from train.metrics import MetricsWriter
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  writer = MetricsWriter(str(tmp_path), total_steps=3, initial_step=2)
+  writer.write(3, {"loss": 1.5})
+  writer.close()
+  assert path.read_text().splitlines() == ['{"step": 1, "loss": 2.0}', '{"step": 3, "loss": 1.5}']

@@ -16,7 +16,9 @@ class MetricsWriter:
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    path = os.path.join(workdir, "metrics.jsonl")
+    _drop_torn_last_line(path)
+    self.jsonl = open(path, "a")
     self.tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
     self.bar = tqdm.tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
 
@@ -41,3 +43,13 @@ class MetricsWriter:
       self.bar.close()
       self.tb.close()
       self.jsonl.close()
+
+
+def _drop_torn_last_line(path: str) -> None:
+  """A process killed mid-write can leave half a record; cut it before appending."""
+  if not os.path.exists(path):
+    return
+  with open(path, "rb+") as f:
+    data = f.read()
+    if data and not data.endswith(b"\n"):
+      f.truncate(data.rfind(b"\n") + 1)
