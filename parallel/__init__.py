@@ -1,7 +1,7 @@
 """Maps logical axis names onto device meshes. Model code never names a mesh axis."""
 
 from parallel.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
-from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXES, PRESETS,
+from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXES,
                             STRATEGIES, Layout, axis_rules, constrain, current_rules, get_layout,
                             get_rules, logical_shardings, logical_to_spec)
 from parallel.pipeline import (SCHEDULES, PipelineConfig, current_pipeline, measured_bubble,

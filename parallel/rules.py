@@ -80,8 +80,7 @@ def get_rules(name: str) -> LogicalRules:
   return get_layout(name).rules
 
 
-PRESETS = {name: get_rules(name) for name in STRATEGIES}
-DATA_PARALLEL = PRESETS["data_parallel"]
+DATA_PARALLEL = get_rules("data_parallel")
 
 _state = threading.local()
 

@@ -6,9 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
-from ml_collections import ConfigDict
 
 import parallel
 from conftest import tiny_config

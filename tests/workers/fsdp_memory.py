@@ -2,7 +2,6 @@
 (plus small replicated tensors). Exits non-zero with a message if not."""
 
 import jax
-import numpy as np
 from ml_collections import ConfigDict
 
 import parallel
