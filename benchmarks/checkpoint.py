@@ -32,6 +32,8 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import log  # noqa: E402
+
 TARGET_OVERHEAD = 0.10  # async: at most 10% of a step, averaged over a checkpoint every 10 steps
 
 
@@ -54,10 +56,6 @@ def parse_args(argv=None):
   if args.every < 1 or args.periods < 1:
     p.error("--every and --periods must be >= 1")
   return args
-
-
-def log(msg):
-  print(msg, file=sys.stderr, flush=True)
 
 
 def build(args):

@@ -35,6 +35,8 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks.common import constant_lr_step, cpu_count, log  # noqa: E402
+
 TARGET_RATIO = 1.3  # meshlm tokens/s over transformers tokens/s
 
 
@@ -63,17 +65,6 @@ def parse_args(argv=None):
   if args.steps < 1 or args.warmup < 0:
     p.error("--steps must be >= 1 and --warmup >= 0")
   return args
-
-
-def log(msg):
-  print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_count():
-  try:
-    return len(os.sched_getaffinity(0))  # respects taskset/cgroup pinning, unlike os.cpu_count
-  except AttributeError:
-    return os.cpu_count() or 1
 
 
 def make_tokens(args):
@@ -121,31 +112,17 @@ def summarise(times, cpu, losses, tokens_per_step):
 
 def bench_meshlm(args, tokens, hp):
   import jax
-  from jax.sharding import NamedSharding
-  from ml_collections import ConfigDict
 
   import parallel
   from models import ModelConfig
   from train import flops as flops_lib
-  from train.optimizer import make_optimizer
-  from train.state import create_train_state
-  from train.step import jit_train_step
 
   cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp,
                     rope_theta=10000.0, tie_embeddings=False, max_seq_len=args.seq,
                     dtype=args.dtype, scan_layers=not args.unroll_layers)
-  # warmup_steps=0 and min_lr_ratio=1 turn warmup-cosine into a constant lr, like torch's.
-  opt = ConfigDict(dict(lr=hp["lr"], warmup_steps=0, min_lr_ratio=1.0, b1=hp["b1"], b2=hp["b2"],
-                        eps=hp["eps"], weight_decay=hp["weight_decay"],
-                        clip_norm=hp["clip_norm"]))
-  tx, schedule = make_optimizer(opt, len(tokens))
-  mesh = parallel.make_mesh({"data": -1})
-  layout = parallel.get_layout("data_parallel")  # wired as train/loop.py does
-  with parallel.axis_rules(layout.rules):
-    graphdef, state, shardings = create_train_state(cfg, tx, mesh, args.seed, layout)
-    batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
-    step_fn = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding)
+  # A constant lr, like torch's.
+  step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, len(tokens), args.seed)
 
   ones = np.ones((args.batch, args.seq), np.int32)
   positions = np.broadcast_to(np.arange(args.seq, dtype=np.int32), ones.shape)

@@ -1,18 +1,14 @@
 """Mixtral-8x7B-class mixture-of-experts pretraining on 64 devices: expert x FSDP parallelism.
 
-Eight SwiGLU experts per layer (each of model.mlp_dim), two routed per token;
-experts are split over `expert` (8) and every weight over `fsdp` (8). The MoE
-keys live in `config.moe`; the planner accounts for them (expert weights,
-routed activations, all-to-alls). Plan it:
+Eight SwiGLU experts per layer (each of model.mlp_dim), two routed per token
+(dropless, Mixtral's top-2 renormalised gating); experts are split over
+`expert` (8) and every weight over `fsdp` (8), tokens exchanged with
+all-to-all. The planner accounts for the MoE keys (expert weights, routed
+activations, all-to-alls). Plan it, then train it:
 
   meshlm plan --config experiments/mixtral_8x7b_pod.py --devices 64 --budget_gb 80
-
-Until models/ has MoE layers, `--compile` skips the AOT check for this config
-(the real train step would be the dense model) and `meshlm train` would train
-a dense model of the same shape.
+  meshlm train --config experiments/mixtral_8x7b_pod.py --workdir gs://BUCKET/mixtral
 """
-
-from ml_collections import ConfigDict
 
 from experiments.defaults import base_config
 
@@ -40,11 +36,11 @@ def get_config():
   c.model.dtype = "bfloat16"
   c.model.remat = "full"
 
-  if "moe" not in c:
-    c.moe = ConfigDict()
-  c.moe.num_experts = 8
-  c.moe.top_k = 2
-  c.moe.capacity_factor = 1.0
+  c.model.num_experts = 8
+  c.model.top_k = 2
+  c.model.moe_impl = "dropless"
+  c.model.grouped_matmul = "ragged_dot"  # the accelerator kernel, also what `meshlm plan --compile` sizes
+  c.model.aux_loss_weight = 0.02   # Mixtral's router_aux_loss_coef 0.01 x top_k (our loss is 1 at balance)
 
   c.optimizer.lr = 3e-4
   c.optimizer.warmup_steps = 2000

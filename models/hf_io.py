@@ -1,7 +1,8 @@
-"""Hugging Face Llama checkpoints: config.json mapping, tensor layout, safetensors read/write.
+"""Hugging Face Llama and Mixtral checkpoints: config.json mapping, tensor layout, safetensors I/O.
 
 Our parameters are stored input-axes-first ([D, N, H], [D, F]) and stacked over a
-leading layers axis; Hugging Face stores each layer's nn.Linear as [out, in].
+leading layers axis (and, for MoE experts, a second experts axis); Hugging Face stores
+each layer's (and each expert's) nn.Linear as [out, in].
 Both the safetensors reader and the GGUF reader (models/gguf_io.py) hand tensors
 to `params_from_hf` under Hugging Face names, so the layout conversion lives here once.
 """
@@ -9,6 +10,7 @@ to `params_from_hf` under Hugging Face names, so the layout conversion lives her
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Callable, Iterable
@@ -26,6 +28,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 # Our param path -> (Hugging Face name, number of leading "input" axes in our layout).
 # 0 means the tensor is copied as is; n > 0 means HF [out, in] <-> ours [in..., out...].
+# In per-layer names "{0}" is the layer index and "{1}" the expert index: each "{}" is
+# one leading stacked axis of our param ([L, ...] or [L, E, ...]) that HF stores as
+# separate tensors.
 _GLOBAL = {
     ("embed_VD",): ("model.embed_tokens.weight", 0),
     ("final_norm", "scale"): ("model.norm.weight", 0),
@@ -37,10 +42,34 @@ _LAYER = {
     ("attn", "wv_DKH"): ("self_attn.v_proj.weight", 1),
     ("attn", "wo_NHD"): ("self_attn.o_proj.weight", 2),
     ("attn_norm", "scale"): ("input_layernorm.weight", 0),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
+}
+_DENSE_MLP = {
     ("mlp", "gate_DF"): ("mlp.gate_proj.weight", 1),
     ("mlp", "up_DF"): ("mlp.up_proj.weight", 1),
     ("mlp", "down_FD"): ("mlp.down_proj.weight", 1),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
+}
+# Mixtral as published on the Hub, and as transformers 5 still saves it by default.
+_MOE_MLP = {
+    ("mlp", "router_DE"): ("block_sparse_moe.gate.weight", 1),
+    ("mlp", "gate_EDF"): ("block_sparse_moe.experts.{1}.w1.weight", 1),
+    ("mlp", "up_EDF"): ("block_sparse_moe.experts.{1}.w3.weight", 1),
+    ("mlp", "down_EFD"): ("block_sparse_moe.experts.{1}.w2.weight", 1),
+}
+# model_type -> (architecture, transformers' defaults for keys a config.json may omit).
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
+                                       max_position_embeddings=2048, num_key_value_heads=None)),
+    "mixtral": ("MixtralForCausalLM", dict(rope_theta=1e6, rms_norm_eps=1e-5,
+                                           max_position_embeddings=131072, num_key_value_heads=8,
+                                           num_local_experts=8, num_experts_per_tok=2,
+                                           router_aux_loss_coef=0.001)),
+}
+# ModelConfig fields HF Mixtral cannot express, with the only value export accepts.
+_MIXTRAL_FIXED = {
+    "shared_mlp_dim": (0, "Mixtral has no shared expert"),
+    "router_bias_rate": (0.0, "Mixtral's router has no expert-selection bias"),
+    "router_norm": ("topk", "Mixtral renormalises the softmax over the chosen experts"),
 }
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -50,16 +79,25 @@ def _first(value):
 
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-  """ModelConfig from a Llama config.json dict; anything we cannot run exactly is rejected."""
+  """ModelConfig from a Llama or Mixtral config.json; what we cannot run exactly is rejected."""
   arch, model_type = hf.get("architectures") or [], hf.get("model_type")
-  if model_type != "llama" or any(a != "LlamaForCausalLM" for a in arch):
+  if model_type not in _ARCHS or any(a != _ARCHS[model_type][0] for a in arch):
     raise ValueError(f"unsupported architecture {arch or model_type!r} (model_type={model_type!r})"
-                     f" in {source}; only LlamaForCausalLM (model_type 'llama') is supported")
+                     f" in {source}; only LlamaForCausalLM (model_type 'llama') and "
+                     "MixtralForCausalLM (model_type 'mixtral') are supported")
+  defaults = _ARCHS[model_type][1]
+
+  def get(key):
+    return hf.get(key, defaults.get(key))
+
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key):
       raise ValueError(f"{source}: {key}=true is not supported (the decoder has no biases)")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
+  if hf.get("sliding_window") is not None:
+    raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (the "
+                     "decoder has no sliding-window attention); only null")
   # transformers 4 writes rope_theta/rope_scaling; 5 writes rope_parameters.
   rope = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
@@ -71,23 +109,35 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
   dtype = _DTYPE_NAMES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), "float32")
   values = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
+      norm_eps=float(get("rms_norm_eps")),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_seq_len=hf.get("max_position_embeddings", 2048),
+      max_seq_len=get("max_position_embeddings"),
       param_dtype=dtype, dtype=dtype,
       bos_id=_first(hf.get("bos_token_id")), eos_id=_first(hf.get("eos_token_id")))
-  values.update({k: v for k, v in overrides.items() if v is not None})
+  if model_type == "mixtral":
+    # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
+    # gives the same gradient. router_jitter_noise only perturbs HF training: ignored.
+    k = get("num_experts_per_tok")
+    values.update(num_experts=get("num_local_experts"), top_k=k, router_norm="topk",
+                  moe_impl="dropless", aux_loss_weight=float(get("router_aux_loss_coef")) * k)
+  values.update({key: v for key, v in overrides.items() if v is not None})
   return ModelConfig(**values)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  """config.json for LlamaForCausalLM, readable by transformers 4 (rope_theta) and 5."""
-  return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  """config.json for LlamaForCausalLM, or MixtralForCausalLM for an MoE config.
+
+  Readable by transformers 4 (rope_theta) and 5. An MoE config must keep to what
+  Mixtral expresses (_MIXTRAL_FIXED); moe_impl="capacity" exports the same weights,
+  which transformers then runs dropless.
+  """
+  arch = "mixtral" if cfg.is_moe else "llama"
+  hf = {
+      "architectures": [_ARCHS[arch][0]], "model_type": arch,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
       "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
@@ -95,26 +145,86 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "rope_theta": cfg.rope_theta,
       "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
       "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False, "mlp_bias": False, "bos_token_id": cfg.bos_id,
-      "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
+      "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
   }
+  if not cfg.is_moe:
+    return {**hf, "attention_bias": False, "mlp_bias": False}
+  for field, (allowed, why) in _MIXTRAL_FIXED.items():
+    if getattr(cfg, field) != allowed:
+      raise ValueError(f"cannot export as MixtralForCausalLM: model.{field}="
+                       f"{getattr(cfg, field)!r} ({why}; only {allowed!r} can be exported)")
+  return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+          "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k,  # see config_from_hf
+          "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
 
 
-def hf_name(path: tuple, layer: int | None = None) -> str:
-  if path[0] == "blocks":
-    return f"model.layers.{layer}.{_LAYER[path[1:]][0]}"
-  return _GLOBAL[path][0]
+def _name_table(cfg: ModelConfig) -> dict:
+  """Our param path -> (HF name template, n_in) for this config's architecture."""
+  layer = {**_LAYER, **(_MOE_MLP if cfg.is_moe else _DENSE_MLP)}
+  return {**_GLOBAL,
+          **{("blocks", *path): ("model.layers.{0}." + name, n_in)
+             for path, (name, n_in) in layer.items()}}
 
 
-def _n_in(path: tuple) -> int:
-  return _LAYER[path[1:]][1] if path[0] == "blocks" else _GLOBAL[path][1]
+def _lookup(table: dict, path: tuple) -> tuple[str, int]:
+  if path not in table:  # e.g. MoE extras that config_to_hf rejects first
+    raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face equivalent")
+  return table[path]
+
+
+# transformers 5's in-memory Mixtral layout (what save_pretrained(save_original_format=False)
+# writes): per layer mlp.gate.weight [E, D], mlp.experts.gate_up_proj [E, 2F, D] (w1 rows,
+# then w3 rows) and mlp.experts.down_proj [E, D, F].
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|"
+                    r"experts\.down_proj)")
+
+
+def _unfuse_experts(cfg: ModelConfig, read: Callable, names: Iterable[str]):
+  """(read, names) serving a fused-layout Mixtral checkpoint under the legacy names.
+
+  Keeps the last fused tensor read, so each is read once per parameter that uses it.
+  """
+  e, f, d = cfg.num_experts, cfg.mlp_dim, cfg.d_model
+  virtual, rest = {}, []  # legacy name -> (fused name, index into it, its expected shape)
+  for name in names:
+    m = _FUSED.fullmatch(name)
+    if not m:
+      rest.append(name)
+      continue
+    prefix = f"model.layers.{m[1]}.block_sparse_moe."
+    if m[2] == "gate.weight":
+      virtual[prefix + "gate.weight"] = (name, (), None)  # fetch checks its shape
+      continue
+    for j in range(e):
+      if m[2] == "experts.down_proj":
+        virtual[f"{prefix}experts.{j}.w2.weight"] = (name, (j,), (e, d, f))
+      else:
+        virtual[f"{prefix}experts.{j}.w1.weight"] = (name, (j, slice(0, f)), (e, 2 * f, d))
+        virtual[f"{prefix}experts.{j}.w3.weight"] = (name, (j, slice(f, None)), (e, 2 * f, d))
+  cache = {}
+
+  def read_legacy(name):
+    if name not in virtual:
+      return read(name)
+    source, index, shape = virtual[name]
+    if source not in cache:
+      cache.clear()
+      cache[source] = read(source)
+      if shape and tuple(cache[source].shape) != shape:
+        raise ValueError(f"checkpoint tensor {source!r} has shape "
+                         f"{tuple(cache[source].shape)}, but the config implies {shape}")
+    return cache[source][index]
+
+  return read_legacy, rest + list(virtual)
 
 
 def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.ndarray],
                    names: Iterable[str]) -> dict:
   """{our param path: numpy array in cfg.param_dtype}, checking shapes and leftovers."""
+  if cfg.is_moe:
+    read, names = _unfuse_experts(cfg, read, names)
   np_dtype = np.dtype(cfg.jnp_param_dtype)
-  available, used, out = set(names), set(), {}
+  table, available, used, out = _name_table(cfg), set(names), set(), {}
 
   def fetch(name, shape, n_in):
     if name not in available:
@@ -130,38 +240,33 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.n
 
   for path, var in nnx.to_flat_state(abstract_params):
     shape = tuple(var.get_value().shape)
-    if path[0] == "blocks":
-      # Fill a preallocated stack so peak host memory is ~one copy of the weights.
-      arr = np.empty(shape, np_dtype)
-      for i in range(cfg.num_layers):
-        arr[i] = fetch(hf_name(path, i), shape[1:], _n_in(path))
-    else:
-      arr = fetch(hf_name(path), shape, _n_in(path)).astype(np_dtype)
+    template, n_in = _lookup(table, path)
+    stacked = template.count("{")  # leading axes HF stores as separate tensors
+    # Fill a preallocated array so peak host memory is ~one copy of the weights.
+    arr = np.empty(shape, np_dtype)
+    for index in np.ndindex(*shape[:stacked]):
+      arr[index] = fetch(template.format(*index), shape[stacked:], n_in)
     out[path] = arr
   ignorable = {n for n in available if n.endswith("rotary_emb.inv_freq")}
   if cfg.tie_embeddings:
     ignorable.add("lm_head.weight")  # some exporters save the tied copy anyway
   unexpected = sorted(available - used - ignorable)
   if unexpected:
-    raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this Llama decoder does not use,"
+    raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this decoder does not use,"
                      f" e.g. {unexpected[:5]}; refusing to drop them silently")
   return out
 
 
 def params_to_hf(model) -> dict[str, np.ndarray]:
   """{Hugging Face name: numpy array} from a Transformer, in its param dtype."""
-  tensors = {}
+  table, tensors = _name_table(model.cfg), {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    arr, n_in = np.asarray(var.get_value()), _n_in(path)
-
-    def to_hf(a):
-      return np.ascontiguousarray(a.reshape(int(np.prod(a.shape[:n_in])), -1).T if n_in else a)
-
-    if path[0] == "blocks":
-      for i in range(arr.shape[0]):
-        tensors[hf_name(path, i)] = to_hf(arr[i])
-    else:
-      tensors[hf_name(path)] = to_hf(arr)
+    arr = np.asarray(var.get_value())
+    template, n_in = _lookup(table, path)
+    for index in np.ndindex(*arr.shape[:template.count("{")]):
+      a = arr[index]
+      a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T if n_in else a
+      tensors[template.format(*index)] = np.ascontiguousarray(a)
   return tensors
 
 
@@ -220,7 +325,7 @@ def _tokenizer_config(tokenizer, cfg: ModelConfig) -> dict:
 
 
 def export_hf(model, tokenizer, out_dir: str, *, overwrite: bool = False) -> str:
-  """Writes a transformers-loadable LlamaForCausalLM directory; all or nothing.
+  """Writes a transformers-loadable Llama (or, for MoE, Mixtral) directory; all or nothing.
 
   Files go to a temporary sibling directory that is renamed into place at the end,
   so a failure leaves `out_dir` as it was. `tokenizer` may be None (weights only).

@@ -70,7 +70,7 @@ def _load_hf_dir(directory: str, mesh=None, **dtypes):
 
 def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
                     mesh=None) -> tuple[Transformer, Tokenizer | None]:
-  """Loads a Llama checkpoint: an HF directory (config.json + safetensors) or a .gguf file.
+  """Loads a Llama/Mixtral checkpoint: an HF directory (config.json + safetensors) or a .gguf.
 
   dtype (compute) / param_dtype (storage), each 'float32', 'bfloat16' or 'float16',
   override the defaults: an HF checkpoint keeps its stored dtype for both, a GGUF is

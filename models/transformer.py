@@ -12,6 +12,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import MLP, Attention, RMSNorm, _param
+from models.moe import MoE
 from parallel import constrain, run_layers
 
 _REMAT = {
@@ -22,22 +23,28 @@ _REMAT = {
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); the MLP may be an MoE.
+
+  Returns (x_BTD, stats): the MoE layer's router statistics, {} for a dense MLP.
+  """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MoE(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
-    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
-    return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
+    if isinstance(self.mlp, MoE):
+      y_BTD, stats = self.mlp(self.mlp_norm(x_BTD), segment_ids_BT)
+    else:
+      y_BTD, stats = self.mlp(self.mlp_norm(x_BTD)), {}
+    return constrain(x_BTD + y_BTD, ("act_batch", "act_res_seq", "act_embed")), stats
 
 
 class Transformer(nnx.Module):
-  """tokens_BT -> logits_BTV (float32)."""
+  """tokens_BT -> logits_BTV (float32); with return_stats, (logits_BTV, per-layer stats)."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -55,7 +62,7 @@ class Transformer(nnx.Module):
       self.unembed_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg,
                                cfg.init_std)
 
-  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None):
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, return_stats=False):
     cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
@@ -69,7 +76,8 @@ class Transformer(nnx.Module):
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
-    x_BTD = run_layers(body, x_BTD, state, (positions_BT, segment_ids_BT), scan=cfg.scan_layers)
+    x_BTD, stats = run_layers(body, x_BTD, state, (positions_BT, segment_ids_BT),
+                              scan=cfg.scan_layers)
 
     x_BTD = self.final_norm(x_BTD)
     if cfg.tie_embeddings:
@@ -78,7 +86,8 @@ class Transformer(nnx.Module):
       w_DV = self.unembed_DV[...]
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, w_DV.astype(cfg.jnp_dtype),
                             preferred_element_type=jnp.float32)
-    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+    logits_BTV = constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+    return (logits_BTV, stats) if return_stats else logits_BTV
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -7,3 +7,5 @@ from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXE
 from parallel.pipeline import (SCHEDULES, PipelineConfig, current_pipeline, measured_bubble,
                                pipeline_from_config, pipeline_schedule, run_layers,
                                schedule_table, theoretical_bubble)
+from parallel.expert import (check_experts_divide, expert_axes, expert_parallel_size,
+                             shard_map_logical)

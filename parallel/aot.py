@@ -63,7 +63,8 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
   seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
   hlo = compiled.as_text()
-  counts = {k: len(re.findall(rf"= \S+ {k}(-start)?\(", hlo)) for k in COLLECTIVES}
+  # Match the op after its result type, which may be a tuple with spaces (all-to-all).
+  counts = {k: len(re.findall(rf"\s{k}(-start)?\(", hlo)) for k in COLLECTIVES}
   return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
               alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
               peak=m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

@@ -130,10 +130,13 @@ def pipeline_schedule(config: PipelineConfig | None):
 
 
 def run_layers(body: Callable, x_BTD: jax.Array, state, aux: tuple = (), *, scan: bool = True):
-  """x_BTD through every layer: `body(x_BTD, layer_state, *aux) -> x_BTD` per layer.
+  """x_BTD through every layer: `body(x_BTD, layer_state, *aux) -> (x_BTD, stats)` per layer.
 
   `state` is the stacked layer state (leading axis L); `aux` are batch-shaped
-  arrays (or None) the body needs, e.g. positions and segment ids.
+  arrays (or None) the body needs, e.g. positions and segment ids. `stats` is
+  a pytree of per-layer arrays (e.g. MoE router statistics; {} if none);
+  returns (x_BTD, stats stacked over L). In a pipeline every stats array is
+  averaged over microbatches.
   """
   config = current_pipeline()
   if config is None:
@@ -147,10 +150,12 @@ def _num_layers(state) -> int:
 
 def _sequential(body, x_BTD, state, aux, scan):
   if scan:
-    return jax.lax.scan(lambda x, layer: (body(x, layer, *aux), None), x_BTD, state)[0]
+    return jax.lax.scan(lambda x, layer: body(x, layer, *aux), x_BTD, state)
+  stats = []
   for i in range(_num_layers(state)):
-    x_BTD = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], state), *aux)
-  return x_BTD
+    x_BTD, s = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], state), *aux)
+    stats.append(s)
+  return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *stats)
 
 
 def _stage_axes(stages: int):
@@ -206,8 +211,8 @@ def _pipelined(config: PipelineConfig, body, x_BTD, state, aux, scan):
   run_all = jax.vmap(run_stage, spmd_axis_name=axes)
 
   def iteration(carry, xs):
-    x_PBTD, x_MBTD = carry
-    micro_P, repeat_P, done = xs
+    x_PBTD, x_MBTD, stats_RP = carry
+    micro_P, repeat_P, valid_P, done = xs
     x_PBTD = constrain(x_PBTD.at[0].set(x_MBTD[micro_P[0]]), ("layers",) + _ACT)
     if r == 1:
       stage_weights = jax.tree.map(lambda a: a[0], weights)
@@ -215,18 +220,30 @@ def _pipelined(config: PipelineConfig, body, x_BTD, state, aux, scan):
       pick = jax.vmap(lambda a_R, i: a_R[i], in_axes=(1, 0))
       stage_weights = jax.tree.map(lambda a: _constrain_axis(pick(a, repeat_P), 0, axes), weights)
     stage_aux = jax.tree.map(lambda a: a[micro_P], aux_M)
-    y_PBTD = constrain(run_all(stage_weights, x_PBTD, stage_aux), ("layers",) + _ACT)
+    y_PBTD, stats_P = run_all(stage_weights, x_PBTD, stage_aux)
+    y_PBTD = constrain(y_PBTD, ("layers",) + _ACT)
+    # Idle stages ran on filler; only real work items count, each in its layers' slot.
+    stats_RP = jax.tree.map(
+        lambda acc, s: acc.at[repeat_P, jnp.arange(p)].add(
+            jnp.where(valid_P.reshape((p,) + (1,) * (s.ndim - 1)), s, 0)), stats_RP, stats_P)
     # Stage s's output feeds stage s+1; the last stage's wraps to slot 0 and is stored.
     x_PBTD = jnp.roll(y_PBTD, 1, axis=0)
     out = jnp.where(done, x_PBTD[0], x_MBTD[micro_P[-1]])
     x_MBTD = constrain(x_MBTD.at[micro_P[-1]].set(out), (None,) + _ACT)
-    return (x_PBTD, x_MBTD), None
+    return (x_PBTD, x_MBTD, stats_RP), None
 
   x_PBTD = jnp.zeros((p,) + x_MBTD.shape[1:], x_MBTD.dtype)
-  xs = (jnp.asarray(micro_IP), jnp.asarray(repeat_IP), jnp.asarray(done_I))
-  (_, x_MBTD), _ = jax.lax.scan(iteration, (x_PBTD, x_MBTD), xs)
+  stage_shapes = jax.eval_shape(
+      lambda w, x, a: run_all(w, x, a)[1],
+      jax.tree.map(lambda a: a[0], weights), x_PBTD, jax.tree.map(lambda a: a[:p], aux_M))
+  stats_RP = jax.tree.map(lambda s: jnp.zeros((r,) + s.shape, s.dtype), stage_shapes)
+  xs = (jnp.asarray(micro_IP), jnp.asarray(repeat_IP), jnp.asarray(item_IP >= 0),
+        jnp.asarray(done_I))
+  (_, x_MBTD, stats_RP), _ = jax.lax.scan(iteration, (x_PBTD, x_MBTD, stats_RP), xs)
   x_BTD = jnp.moveaxis(x_MBTD, 0, 1).reshape(x_BTD.shape)
-  return constrain(x_BTD, _ACT)
+  # [R, P, L/(R·P), ...] is layer order; each layer saw every microbatch once.
+  stats_L = jax.tree.map(lambda a: a.reshape((num_layers,) + a.shape[3:]) / m, stats_RP)
+  return constrain(x_BTD, _ACT), stats_L
 
 
 def pipeline_from_config(pipeline: Mapping, mesh_sizes: Mapping[str, int], sharding: str,

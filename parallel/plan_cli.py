@@ -111,20 +111,13 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
              estimate=est, budget_gb=budget_gb or None)
   out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
   if compile_:
-    if w.num_experts and not planner.model_has_experts:
-      out["compiled"] = None
-      out["compile_note"] = (
-          f"AOT compile skipped: the config asks for {w.num_experts} experts (config.moe) but "
-          "models/ has no MoE layers yet, so the real train step would be the dense model; the "
-          "estimate above adds the expert weights itself")
-    else:
-      from parallel.aot import compare, compile_in_subprocess
-      compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
-      out["compiled"] = compiled
-      out["comparison"] = compare(est["memory"]["total"], compiled)
-      if w.model.dtype != "float32":  # the CPU backend computes bfloat16 in float32
-        cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
-        out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
+    from parallel.aot import compare, compile_in_subprocess
+    compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
+    out["compiled"] = compiled
+    out["comparison"] = compare(est["memory"]["total"], compiled)
+    if w.model.dtype != "float32":  # the CPU backend computes bfloat16 in float32
+      cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
+      out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
   if do_suggest:
     out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top)
   return out

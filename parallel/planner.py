@@ -84,9 +84,10 @@ class Workload:
   batch_size: int
   seq_len: int
   grad_accum: int = 1
-  num_experts: int = 0   # config.moe.num_experts (MoE layers replace every MLP)
+  num_experts: int = 0   # model.num_experts (MoE layers replace every MLP)
   top_k: int = 1
   capacity_factor: float = 1.0
+  dropless: bool = True  # MoE: a dropless layer's receive buffers hold the worst case
   microbatches: int = 0  # config.pipeline.*: 0 = one per stage
   repeats: int = 1
   schedule: str = "gpipe"
@@ -99,35 +100,17 @@ def _get(section, key, default):
 def workload_from_config(config: ConfigDict) -> Workload:
   from experiments.defaults import model_config_from
   model = model_config_from(config)
-  moe = config.get("moe", None)
-  experts = int(_get(moe, "num_experts", getattr(model, "num_experts", 0)) or 0)
   pipe = config.get("pipeline", None)
+  # Dropless routes exactly top_k copies of each token; the capacity path pads to its factor.
+  factor = model.capacity_factor if model.moe_impl == "capacity" else 1.0
   return Workload(
       model=model, batch_size=int(config.batch_size), seq_len=int(config.seq_len),
-      grad_accum=int(config.grad_accum), num_experts=experts if experts > 1 else 0,
-      top_k=int(_get(moe, "top_k", getattr(model, "top_k", 1)) or 1),
-      capacity_factor=float(_get(moe, "capacity_factor", 1.0)),
+      grad_accum=int(config.grad_accum), num_experts=model.num_experts,
+      top_k=model.top_k if model.num_experts else 1,
+      capacity_factor=factor if model.num_experts else 1.0,
+      dropless=model.moe_impl == "dropless",
       microbatches=int(_get(pipe, "microbatches", 0) or 0),
       repeats=int(_get(pipe, "repeats", 1) or 1), schedule=str(_get(pipe, "schedule", "gpipe")))
-
-
-def _with_experts(params, w: Workload):
-  """Adds MoE expert weights (and a router) when the config asks for experts the model lacks."""
-  has = any("experts" in (v.get_metadata().get("out_sharding") or ())
-            for v in jax.tree.leaves(params, is_leaf=_is_var) if _is_var(v))
-  if not w.num_experts or has:
-    return params, has
-  mlp, cfg = params["blocks"]["mlp"], w.model
-  for key in list(mlp.keys()):
-    v = mlp[key]
-    names = v.get_metadata()["out_sharding"]
-    shape = (v.shape[0], w.num_experts) + tuple(v.shape[1:])
-    mlp[key] = nnx.Param(jax.ShapeDtypeStruct(shape, v.dtype), eager_sharding=False,
-                         out_sharding=(names[0], "experts") + tuple(names[1:]))
-  params["blocks"]["router_DE"] = nnx.Param(
-      jax.ShapeDtypeStruct((cfg.num_layers, cfg.d_model, w.num_experts), cfg.jnp_param_dtype),
-      out_sharding=("layers", "embed", None), eager_sharding=False)
-  return params, False
 
 
 def _nbytes(shape, dtype) -> int:
@@ -151,8 +134,7 @@ class Planner:
     from train.state import abstract_model
     self.config = config
     self.work = workload_from_config(config)
-    _, params = abstract_model(self.work.model)
-    self.params, self.model_has_experts = _with_experts(params, self.work)
+    _, self.params = abstract_model(self.work.model)
     tx, _ = make_optimizer(config.optimizer, int(config.steps))
     self.opt_state = jax.eval_shape(tx.init, self.params)
     self.param_count = sum(math.prod(v.shape) for v in jax.tree.leaves(self.params))
@@ -228,6 +210,11 @@ class Planner:
     t, d, n_h, k_h, h, f = (w.seq_len, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                             cfg.mlp_dim)
     routed = w.top_k * w.capacity_factor if w.num_experts else 1
+    ep = math.prod(sizes[a] for a in _axes(logical_to_spec(("experts",), rules, mesh)[0]))
+    if w.num_experts and w.dropless and ep > 1:
+      # Expert parallel dropless: any shard may receive every routed row of all J shards,
+      # so its exchange and FFN buffers are sized J x top_k x tokens (models/moe_dispatch.py).
+      routed = w.top_k * ep
     tensors = {
         "X": ((rows, t, d), _X),
         "Xs": ((rows, t, d), ("act_batch", "act_seq", "act_embed")),  # gathered for matmuls
@@ -407,8 +394,6 @@ def step_flops(work: Workload) -> float:
   from train.flops import train_flops_per_token
   cfg = work.model
   per_token = train_flops_per_token(cfg, work.seq_len)
-  if work.num_experts:
-    per_token += 3 * cfg.num_layers * 6 * cfg.d_model * cfg.mlp_dim * (work.top_k - 1)
   return per_token * work.batch_size * work.seq_len
 
 

@@ -55,17 +55,21 @@ def shakespeare_slice(tmp_path):
 EIGHT_DEVICES = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                      PYTHONPATH=REPO)
 
-# Layouts checked on 8 fake devices (tests/test_parallel.py, tests/test_golden.py).
+# Layouts checked on 8 fake devices (tests/test_parallel.py, tests/test_golden.py,
+# tests/test_moe_parallel.py). Layouts with `expert` train a tiny MoE model
+# (tests/workers/layouts.py MOE_MODEL: 8 experts, top-2, dropless); the rest a dense one.
 LAYOUTS = [
     "data_parallel:data=8",
     "zero1:data=8",
     "fsdp:fsdp=8",
     "tensor:data=4,tensor=2",
     "tensor+sequence:data=2,sequence=2,tensor=2",
-    "expert:data=4,expert=2",
+    "expert:data=2,expert=4",
+    "fsdp+expert:fsdp=2,expert=4",
     "fsdp+tensor:data=2,fsdp=2,tensor=2",
     "pipeline+fsdp:pipeline=2,fsdp=4",  # GPipe, 2 microbatches
 ]
+EXPERT_LAYOUTS = [spec for spec in LAYOUTS if "expert" in spec.split(":")[0].split("+")]
 
 
 def run_worker(name, *args, timeout=900, env=None):

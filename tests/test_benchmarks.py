@@ -1,4 +1,4 @@
-"""Smoke test for benchmarks/train_throughput.py: it runs and emits the JSON it promises."""
+"""Smoke tests for benchmarks/: each runs at tiny sizes and emits the JSON it promises."""
 
 import json
 import os
@@ -35,3 +35,44 @@ def test_train_throughput_emits_json():
     assert hf["tokens_per_s"] > 0 and hf["loss_finite"] and hf["threads"] >= 1
     assert result["ratio"] > 0 and isinstance(result["target_met"], bool)
     assert hf["num_params"] == mesh["num_params"]  # the two models have the same shape
+
+
+MOE_SCRIPT = os.path.join(REPO, "benchmarks", "moe.py")
+MOE_TINY = ["--layers", "1", "--d_model", "32", "--heads", "4", "--kv_heads", "2",
+            "--vocab", "128", "--seq_len", "16", "--batch", "2", "--experts", "4", "--top_k", "2",
+            "--expert_mlp", "16", "--steps", "2", "--warmup", "1"]
+
+
+def test_moe_benchmark_emits_json():
+  proc = subprocess.run([sys.executable, MOE_SCRIPT, "--json", *MOE_TINY], cwd=REPO,
+                        capture_output=True, text=True, timeout=180)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout)  # stdout holds the JSON document and nothing else
+  for key in ("config", "steps", "warmup", "env", "variants", "ratio_dropless_over_dense",
+              "ratio_dropless_ragged_dot_over_dense", "ratio_capacity_over_dense", "target",
+              "target_ratio", "target_met", "dense_mlp_flops_share"):
+    assert key in result
+  assert result["steps"] == 2 and result["config"]["d_model"] == 32
+  assert result["config"]["dense_mlp"] == 2 * 16
+  for key in ("jax", "backend", "cpu_count"):
+    assert key in result["env"]
+  variants = result["variants"]
+  assert set(variants) == {"dense", "dropless", "dropless_ragged_dot", "capacity"}
+  for v in variants.values():
+    assert v["step_time_min_s"] > 0 and v["step_time_median_s"] >= v["step_time_min_s"]
+    assert v["tokens_per_s"] > 0 and v["loss_finite"]
+  dense = variants["dense"]
+  assert dense["active_params"] == dense["num_params"]
+  router = 1 * 32 * 4  # layers * d_model * experts: the only extra active weights
+  for name in ("dropless", "dropless_ragged_dot", "capacity"):
+    moe = variants[name]
+    assert moe["active_params"] == dense["active_params"] + router  # equal active params
+    assert moe["num_params"] > moe["active_params"]
+  assert variants["dropless"]["drop_rate"] == 0.0  # dropless drops nothing
+  assert 0.0 <= variants["capacity"]["drop_rate"] < 1.0
+  # Same init and batches: the two dropless kernels compute the same losses.
+  drop, ragged = variants["dropless"], variants["dropless_ragged_dot"]
+  assert abs(drop["loss_last"] - ragged["loss_last"]) < 1e-4
+  for key in ("ratio_dropless_over_dense", "ratio_capacity_over_dense"):
+    assert result[key] > 0
+  assert isinstance(result["target_met"], bool)

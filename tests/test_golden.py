@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import LAYOUTS, REPO
+from conftest import EXPERT_LAYOUTS, LAYOUTS, REPO
 
 GOLDEN = os.path.join(REPO, "tests", "golden")
 UPDATE = os.environ.get("MESHLM_UPDATE_GOLDEN") == "1"
@@ -26,6 +26,16 @@ def compiled(layout_results):
         json.dump(golden, f, indent=1, sort_keys=True)
         f.write("\n")
   return out
+
+
+def test_expert_layouts_exchange_tokens_with_all_to_all(layout_results):
+  """The MoE layer's own all-to-alls (jax.lax.all_to_all in shard_map), not XLA's others."""
+  for spec in LAYOUTS:
+    count = layout_results[spec]["moe_all_to_all"]
+    if spec in EXPERT_LAYOUTS:
+      assert count["forward"] > 0 and count["backward"] > 0, (spec, count)
+    else:
+      assert count == {"forward": 0, "backward": 0}, (spec, count)
 
 
 @pytest.mark.parametrize("layout", [spec.split(":")[0] for spec in LAYOUTS])
@@ -53,6 +63,14 @@ def test_collectives_are_the_ones_each_strategy_needs(compiled):
   assert "all-gather" in kinds["zero1"]
   # Pipeline stages hand activations on with collective-permutes.
   assert "collective-permute" in kinds["pipeline+fsdp"]
+  # Expert parallel (MoE model): expert weights split over `expert`; tokens go to their
+  # experts' devices and back with all-to-all, in the forward and the backward pass, and
+  # the batch stays split (no all-gather without FSDP: routing runs per device).
+  for name in (spec.split(":")[0] for spec in EXPERT_LAYOUTS):
+    assert "all-to-all" in kinds[name], (name, compiled[name]["collectives"])
+    experts = {k: v for k, v in compiled[name]["params"].items() if "_EDF" in k or "_EFD" in k}
+    assert experts and all(v[1] == "expert" for v in experts.values()), experts
+  assert kinds["expert"] == {"all-reduce", "all-to-all"}
   # Parameter shardings say the same thing directly.
   fsdp = compiled["fsdp"]["params"]
   assert all("fsdp" in json.dumps(spec) for spec in fsdp.values()), fsdp

@@ -83,11 +83,11 @@ def test_measured_timing_bubble():
   x_BTD = jax.random.normal(jax.random.key(0), (16, 64, 256))
   w_LDD = jax.random.normal(jax.random.key(1), (8, 256, 256)) / 16
   pos_BT = jnp.zeros((16, 64), jnp.int32)
-  body = lambda x, w, pos: jnp.tanh(x @ w)
+  body = lambda x, w, pos: (jnp.tanh(x @ w), {})
 
   def compiled(config):
     with parallel.pipeline_schedule(config):
-      f = jax.jit(lambda x, w: parallel.run_layers(body, x, w, (pos_BT,)))
+      f = jax.jit(lambda x, w: parallel.run_layers(body, x, w, (pos_BT,))[0])
       return f, f(x_BTD, w_LDD).block_until_ready()
 
   config = PipelineConfig(4, 4)

@@ -4,7 +4,8 @@ Training FLOPs per token follow MaxText's count: 3x the forward matmuls
 (forward + backward), i.e. 6 * N_matmul per token, plus causal attention
 4 * T * N * H / 2 per layer forward. N_matmul counts every weight used in a
 matmul (QKV, output, SwiGLU's three, unembedding); the embedding lookup and
-norms are not matmuls. Remat recomputation is not useful work and is not counted.
+norms are not matmuls; an MoE layer counts the router and the top-k
+experts a token uses. Remat recomputation is not useful work and is not counted.
 """
 
 import time
@@ -29,8 +30,8 @@ PEAK_FLOPS_BF16 = {
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  d, f, h, n, k = cfg.d_model, cfg.mlp_dim, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-  per_layer = 2 * d * f * 3 + 2 * d * (n + 2 * k) * h + 2 * d * n * h
+  d, h, n, k = cfg.d_model, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+  per_layer = 2 * cfg.mlp_params(active=True) + 2 * d * (n + 2 * k) * h + 2 * d * n * h
   attention = 4 * seq_len * n * h / 2  # causal: half the score/value matmuls are masked
   forward = cfg.num_layers * (per_layer + attention) + 2 * d * cfg.vocab_size
   return 3.0 * forward

@@ -97,5 +97,11 @@ def plan_run(config: ConfigDict, workdir: str) -> Plan:
   pipeline = parallel.pipeline_from_config(config.pipeline, dict(mesh.shape), config.sharding,
                                            model_cfg.num_layers,
                                            config.batch_size // config.grad_accum)
+  if model_cfg.is_moe:
+    with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+      try:
+        parallel.check_experts_divide(model_cfg.num_experts)
+      except ValueError as e:
+        raise ConfigError(f"{e} (mesh {dict(mesh.shape)}, sharding {config.sharding!r})") from None
   workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
   return Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline)

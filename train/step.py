@@ -13,17 +13,26 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from train import moe_metrics as moe
+
 
 def token_losses(logits_BTV, targets_BT):
   """Per-token cross-entropy in float32."""
   return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
 
 
-def loss_sum_and_count(graphdef, params, batch):
+def forward_loss(graphdef, params, batch):
+  """(summed token loss, real-token count, per-layer MoE stats or {})."""
   model = nnx.merge(graphdef, params)
-  logits_BTV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+  logits_BTV, stats = model(batch["inputs"], batch["positions"], batch["segment_ids"],
+                            return_stats=True)
   mask_BT = (batch["segment_ids"] > 0).astype(jnp.float32)
-  return jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT), jnp.sum(mask_BT)
+  loss_sum = jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT)
+  return loss_sum, jnp.sum(mask_BT), stats
+
+
+def loss_sum_and_count(graphdef, params, batch):
+  return forward_loss(graphdef, params, batch)[:2]
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
@@ -33,14 +42,17 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
   `inject_nan` poisons the gradients: a test hook for that path."""
   params = state["params"]
   total_tokens = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
+  cfg = nnx.merge(graphdef, params).cfg  # trace-time only: the model's static config
 
   def micro_loss(p, mb):
-    loss_sum, _ = loss_sum_and_count(graphdef, p, mb)
-    return loss_sum / total_tokens
+    loss_sum, _, stats = forward_loss(graphdef, p, mb)
+    loss = loss_sum / total_tokens
+    # Router losses are per-microbatch means: each microbatch adds 1/grad_accum of them.
+    return loss + moe.router_loss(cfg, stats) / grad_accum, (loss, stats)
 
-  grad_fn = jax.value_and_grad(micro_loss)
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
   if grad_accum == 1:
-    loss, grads = grad_fn(params, batch)
+    (_, (loss, stats)), grads = grad_fn(params, batch)
   else:
     # Microbatch k takes rows k, k+A, k+2A, ...: a slice of every device's rows,
     # so microbatches stay sharded like the batch instead of being resharded.
@@ -48,24 +60,30 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
         lambda x: jnp.swapaxes(x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)
 
     def accumulate(carry, mb):
-      loss, grads = carry
-      l, g = grad_fn(params, mb)
-      return (loss + l, jax.tree.map(jnp.add, grads, g)), None
+      loss, grads, stats = carry
+      (_, (l, s)), g = grad_fn(params, mb)
+      return (loss + l, jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, stats, s)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
+    stats_shape = jax.eval_shape(lambda: forward_loss(
+        graphdef, params, jax.tree.map(lambda x: x[0], micro))[2])
+    zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
+    (loss, grads, stats), _ = jax.lax.scan(
+        accumulate, (jnp.zeros((), jnp.float32), zeros, zero_stats), micro)
+    stats = jax.tree.map(lambda s: s / grad_accum, stats)
 
   if inject_nan:
     grads = jax.tree.map(lambda g: g * jnp.nan, grads)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_params = optax.apply_updates(params, updates)
+  new_params = moe.update_router_bias(cfg, optax.apply_updates(params, updates), params, stats)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = dict(state, params=keep(new_params, params),
                    opt_state=keep(opt_state, state["opt_state"]), step=state["step"] + 1)
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-             "tokens": total_tokens, "skipped": 1.0 - finite.astype(jnp.float32)}
+             "tokens": total_tokens, "skipped": 1.0 - finite.astype(jnp.float32),
+             **moe.router_metrics(cfg, stats)}
   return new_state, metrics
 
 
