@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import parallel
-from layouts import COLLECTIVE, MOE_ALL_TO_ALL, MOE_MODEL, MOE_OPT, STEPS
+from layouts import COLLECTIVE, MOE_ALL_TO_ALL, MOE_MODEL, OPT, STEPS
 from models import Transformer
 from train.moe_metrics import router_loss
 from train.optimizer import make_optimizer
@@ -102,7 +102,7 @@ def forward_and_grads(cfg, layout_name, mesh, params):
 def train(cfg, layout_name, mesh, params):
   """10 compiled steps as in layouts.py: (losses, final params, collectives, drop rates, loads)."""
   layout = parallel.get_layout(layout_name)
-  tx, schedule = make_optimizer(MOE_OPT, STEPS)
+  tx, schedule = make_optimizer(OPT, STEPS)
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
     graphdef, state, shardings = create_train_state(cfg, tx, mesh, seed=0, layout=layout,
                                                     params=params)
