@@ -1,3 +1,4 @@
-"""Inference: sampling from a trained or imported model."""
+"""Inference: the KV-cached engine, sampling, and a cache-free reference decoder."""
 
-from infer.sampling import generate
+from infer.engine import Engine, Result, Token
+from infer.sampling import SamplingParams, generate

@@ -1,39 +1,161 @@
-"""A simple sampling loop: recompute the whole (fixed-size) buffer every step.
+"""Sampling: request parameters, the batched token sampler, and a cache-free reference decoder.
 
-No KV cache yet; the buffer length is rounded up so one compilation serves
-many prompt lengths. Causal masking makes the padding after the cursor inert.
+`sample` turns one step's logits into tokens for a batch of requests, each
+with its own parameters and seed; the KV-cached engine (infer/engine.py) and
+the reference `generate` below share it, so the two differ only in how the
+logits are computed. `generate` recomputes the whole (fixed-size) buffer every
+step: slow, but it calls the training forward pass, so it is the yardstick the
+cache is tested against.
+
+Per-token log-probabilities are the log-softmax of the raw model logits (before
+repetition penalty, temperature and filtering) at the chosen token: the
+model's own probability of the text, whatever the sampler did.
 """
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _BUCKET = 64
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k"))
-def _next_token(graphdef, state, buffer_1T, cursor, key, temperature, top_k):
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request is decoded. temperature 0 is greedy (argmax after the repetition penalty).
+
+  Filters apply in this order, as in Hugging Face: repetition penalty (CTRL:
+  a logit l of a token seen in the prompt or output becomes l/penalty if l > 0
+  else l*penalty), temperature, top-k (0: off), top-p over what top-k kept
+  (1: off), min-p (keep p >= min_p * p_max; 0: off). Generation stops at
+  max_tokens ("length"), at a stop token id or the tokenizer's EOS unless
+  ignore_eos, or when the text contains a stop string ("stop"; the text is cut
+  before it). `seed` fixes the random stream of this request alone.
+  """
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  seed: int = 0
+  logprobs: bool = False
+
+  def validate(self) -> None:
+    """Raises ValueError naming the parameter and its allowed range."""
+    checks = [
+        ("max_tokens", isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens > 0,
+         "a positive integer"),
+        ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
+        ("top_k", isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0, ">= 0 (0 = off)"),
+        ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+        ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+        ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+        ("seed", 0 <= self.seed < 2 ** 32, "in [0, 2**32)"),
+    ]
+    for name, ok, allowed in checks:
+      if not ok:
+        raise ValueError(f"sampling parameter {name}={getattr(self, name)!r} must be {allowed}")
+    if any(not s for s in self.stop):
+      raise ValueError("sampling parameter stop contains an empty string")
+
+
+class RowParams(NamedTuple):
+  """SamplingParams of a batch as per-row arrays, so one compiled sampler serves any mix."""
+  temperature_B: jax.Array
+  top_k_B: jax.Array
+  top_p_B: jax.Array
+  min_p_B: jax.Array
+  penalty_B: jax.Array
+  seed_B: jax.Array
+
+  @classmethod
+  def stack(cls, params: list[SamplingParams]) -> "RowParams":
+    col = lambda name, dt: jnp.asarray(np.array([getattr(p, name) for p in params], dt))
+    return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
+               col("min_p", np.float32), col("repetition_penalty", np.float32),
+               col("seed", np.uint32))
+
+
+def filtered_logits(logits_BV, seen_BV, rows: RowParams) -> jax.Array:
+  """The logits a row samples from: penalised, tempered, filtered tokens at -inf (float32)."""
+  logits_BV = logits_BV.astype(jnp.float32)
+  penalty_B1 = rows.penalty_B[:, None]
+  penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
+  logits_BV = jnp.where(seen_BV, penalised_BV, logits_BV)
+  temperature_B1 = rows.temperature_B[:, None]
+  logits_BV = logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0)
+  # Each filter is a threshold on the sorted logits (ties with the threshold are kept).
+  sorted_BV = -jnp.sort(-logits_BV, axis=-1)
+  v = logits_BV.shape[-1]
+  k_B = jnp.where(rows.top_k_B > 0, jnp.minimum(rows.top_k_B, v), v)
+  kth_B1 = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)
+  in_top_k_BV = sorted_BV >= kth_B1
+  probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
+  # Keep a token while the mass before it is < top_p: the smallest set reaching top_p.
+  before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+  keep_B = jnp.sum(in_top_k_BV & (before_BV < rows.top_p_B[:, None]), axis=-1)
+  keep_B = jnp.where(rows.top_p_B >= 1, k_B, keep_B)  # rounding in the cumsum must not cut
+  nth_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(keep_B, 1)[:, None] - 1, axis=-1)
+  # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); renormalising cannot change it.
+  min_B1 = sorted_BV[:, :1] + jnp.log(rows.min_p_B[:, None])
+  keep_BV = (logits_BV >= kth_B1) & (logits_BV >= nth_B1) & (logits_BV >= min_B1)
+  return jnp.where(keep_BV, logits_BV, -jnp.inf)
+
+
+def sample(logits_BV, seen_BV, rows: RowParams, step_B):
+  """(token_B, logprob_B) for one step; `step_B` is the index of the token being generated.
+
+  Row b's randomness is fold_in(key(seed_b), step_b): it depends on its own
+  seed and step only, never on the rest of the batch.
+  """
+  filtered_BV = filtered_logits(logits_BV, seen_BV, rows)
+  keys_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed_B, step_B)
+  sampled_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV)
+  token_B = jnp.where(rows.temperature_B > 0, sampled_B, jnp.argmax(filtered_BV, axis=-1))
+  token_B = token_B.astype(jnp.int32)
+  logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  return token_B, jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]
+
+
+def mark_seen(seen_BV, tokens_BT, valid_BT):
+  """seen_BV with the valid tokens of each row set (for the repetition penalty)."""
+  rows_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[0])[:, None], tokens_BT.shape)
+  return seen_BV.at[rows_BT, tokens_BT].max(valid_BT)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _next_token(graphdef, state, buffer_1T, cursor, seen_1V, rows, step):
   model = nnx.merge(graphdef, state)
   logits_1TV = model(buffer_1T)
-  logits_V = jax.lax.dynamic_index_in_dim(logits_1TV[0], cursor - 1, keepdims=False)
-  if temperature == 0.0:
-    return jnp.argmax(logits_V).astype(jnp.int32)
-  logits_V = logits_V / temperature
-  if top_k > 0:
-    kth = jax.lax.top_k(logits_V, top_k)[0][-1]
-    logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
-  return jax.random.categorical(key, logits_V).astype(jnp.int32)
+  logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV, cursor - 1, axis=1, keepdims=False)
+  token_1, logprob_1 = sample(logits_1V, seen_1V, rows, jnp.reshape(step, (1,)))
+  return token_1[0], logprob_1[0]
 
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
-  """Returns the new token ids (greedy when temperature == 0), stopping at `eos_id`."""
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             repetition_penalty: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             return_logprobs: bool = False):
+  """The new token ids (with logprobs: (ids, logprobs)), stopping after `eos_id`.
+
+  No KV cache: every step runs the training forward pass on the whole buffer,
+  rounded up to a multiple of 64 so one compilation serves many lengths
+  (causal masking makes the padding after the cursor inert).
+  """
   if not prompt_ids:
     raise ValueError("generate needs a non-empty prompt")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature,
+                          top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=repetition_penalty, seed=seed)
+  params.validate()
   total = len(prompt_ids) + max_new_tokens
   limit = model.cfg.max_seq_len
   if total > limit:
@@ -41,16 +163,19 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
                      f"the model's max_seq_len={limit}")
   length = min(-(-total // _BUCKET) * _BUCKET, max(limit, total))
   buffer = jnp.zeros((1, length), jnp.int32).at[0, :len(prompt_ids)].set(jnp.asarray(prompt_ids))
+  seen = jnp.zeros((1, model.cfg.vocab_size), bool).at[0, jnp.asarray(prompt_ids)].set(True)
+  rows = RowParams.stack([params])
   graphdef, state = nnx.split(model)
-  key = jax.random.key(seed)
-  new_ids = []
+  new_ids, logprobs = [], []
   cursor = len(prompt_ids)
-  for _ in range(max_new_tokens):
-    key, sub = jax.random.split(key)
-    token = int(_next_token(graphdef, state, buffer, cursor, sub, float(temperature), int(top_k)))
+  for step in range(max_new_tokens):
+    token, logprob = _next_token(graphdef, state, buffer, cursor, seen, rows, step)
+    token = int(token)
     new_ids.append(token)
+    logprobs.append(float(logprob))
     if eos_id is not None and token == eos_id:
       break
     buffer = buffer.at[0, cursor].set(token)
+    seen = seen.at[0, token].set(True)
     cursor += 1
-  return new_ids
+  return (new_ids, logprobs) if return_logprobs else new_ids

@@ -10,6 +10,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_saveable")
 MOE_IMPLS = ("dropless", "capacity")
 ROUTER_NORMS = ("topk", "all")
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "pallas")
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,8 @@ class ModelConfig:
   init_std: float = 0.02
   bos_id: int | None = None
   eos_id: int | None = None
+  attention_impl: str = "auto"   # models/attention.py kernel: auto|naive|blockwise|cudnn|pallas
+  sliding_window: int = 0         # >0: a query sees only the last `sliding_window` positions
   # Mixture of experts (num_experts=0: every block has a dense SwiGLU MLP).
   num_experts: int = 0           # E routed experts per block, each a SwiGLU of mlp_dim
   top_k: int = 2                 # experts each token is routed to
@@ -72,6 +75,12 @@ class ModelConfig:
         raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"model.remat={self.remat!r}; choose one of {REMAT_POLICIES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ConfigError(f"model.attention_impl={self.attention_impl!r}; choose one of "
+                        f"{ATTENTION_IMPLS}")
+    if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+      raise ConfigError(f"model.sliding_window={self.sliding_window!r} must be an integer >= 0 "
+                        "(0: no window)")
     if self.num_experts:
       self._check_moe()
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attention
 from models.config import ModelConfig
 from parallel import constrain
 
@@ -69,23 +70,52 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
     cfg = self.cfg
+    q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT)
+
+    # Training/prefill self-attention: causality by index (packed rows restart
+    # positions per segment, which the segment ids already separate).
+    out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
+                         kv_segment_ids_BS=segment_ids_BT, causal=True,
+                         sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
+    return self._out(out_BTNH)
+
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, k_BSKH, v_BSKH, kv_segment_ids_BS,
+             kv_positions_BS, index_B):
+    """Cached attention (inference): (out_BTD, k_BSKH, v_BSKH).
+
+    Writes this chunk's keys and values into row b's cache slots
+    [index_B[b], index_B[b] + T), then attends over every slot the segment ids
+    and positions allow (`kv_*_BS` already describe the written chunk; id 0 is
+    an empty slot). Same projections as `__call__`; only the keys differ.
+    """
+    cfg = self.cfg
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+    kv_names = ("act_batch", "act_seq", "act_kv_heads", None)
+    k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index_B), kv_names)
+    v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index_B), kv_names)
+    out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH,
+                         q_segment_ids_BT=segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
+                         q_positions_BT=positions_BT, kv_positions_BS=kv_positions_BS,
+                         causal=True, sliding_window=cfg.sliding_window or None,
+                         impl=cfg.attention_impl)
+    return self._out(out_BTNH), k_BSKH, v_BSKH
+
+  def _qkv(self, x_BTD, positions_BT):
+    """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
+    cfg = self.cfg
     dt = cfg.jnp_dtype
     q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
-    k_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wk_DKH[...].astype(dt))
-    v_BSKH = jnp.einsum("BSD,DKH->BSKH", x_BTD, self.wv_DKH[...].astype(dt))
-    q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta), ("act_batch", "act_seq", "act_heads", None))
-    k_BSKH = constrain(rope(k_BSKH, positions_BT, cfg.rope_theta), ("act_batch", "act_seq", "act_kv_heads", None))
-    v_BSKH = constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dt))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dt))
+    q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta),
+                       ("act_batch", "act_seq", "act_heads", None))
+    k_BTKH = constrain(rope(k_BTKH, positions_BT, cfg.rope_theta),
+                       ("act_batch", "act_seq", "act_kv_heads", None))
+    v_BTKH = constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", None))
+    return q_BTNH, k_BTKH, v_BTKH
 
-    b, t = x_BTD.shape[:2]
-    q_BTKGH = q_BTNH.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
-    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32)
-    scores_BKGTS = scores_BKGTS * (cfg.head_dim ** -0.5)
-    mask_B11TS = attention_mask(segment_ids_BT, t, t)[:, None, None]
-    scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(dt)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
-    out_BTNH = out_BTKGH.reshape(b, t, cfg.num_heads, cfg.head_dim)
+  def _out(self, out_BTNH):
+    dt = self.cfg.jnp_dtype
     out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(dt))
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
@@ -107,3 +137,10 @@ class MLP(nnx.Module):
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
     out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, self.down_FD[...].astype(dt))
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
+
+
+def write_rows(buf_BS, new_BT, index_B):
+  """buf_BS with row b's new_BT at slots [index_B[b], index_B[b] + T) (any trailing dims)."""
+  write = lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0)
+  return jax.vmap(write)(buf_BS, new_BT, index_B)
+

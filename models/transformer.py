@@ -36,6 +36,17 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+    return self._mlp_residual(x_BTD, segment_ids_BT)
+
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, kv, kv_segment_ids_BS, kv_positions_BS,
+             index_B):
+    """Cached block (inference): (x_BTD, (k_BSKH, v_BSKH)) with this chunk written to the cache."""
+    a_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, segment_ids_BT,
+                                             *kv, kv_segment_ids_BS, kv_positions_BS, index_B)
+    x_BTD, _ = self._mlp_residual(x_BTD + a_BTD, segment_ids_BT)
+    return x_BTD, (k_BSKH, v_BSKH)
+
+  def _mlp_residual(self, x_BTD, segment_ids_BT):
     if isinstance(self.mlp, MoE):
       y_BTD, stats = self.mlp(self.mlp_norm(x_BTD), segment_ids_BT)
     else:
@@ -66,9 +77,7 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(cfg.jnp_dtype)
-    x_BTD = constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
-
+    x_BTD = self._embed(tokens_BT)
     graphdef, state = nnx.split(self.blocks)
 
     def body(x_BTD, layer_state, positions_BT, segment_ids_BT):
@@ -78,7 +87,39 @@ class Transformer(nnx.Module):
       body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
     x_BTD, stats = run_layers(body, x_BTD, state, (positions_BT, segment_ids_BT),
                               scan=cfg.scan_layers)
+    logits_BTV = self._logits(x_BTD)
+    return (logits_BTV, stats) if return_stats else logits_BTV
 
+  def decode(self, tokens_BT, positions_BT, segment_ids_BT, k_LBSKH, v_LBSKH, kv_segment_ids_BS,
+             kv_positions_BS, index_B, last_B):
+    """Cached forward (inference; infer/kv_cache.py drives it): (logits_BV, k_LBSKH, v_LBSKH).
+
+    Each layer writes this chunk's keys/values into its cache slice at row b's
+    slots index_B[b].., then attends over the cache. Returns the logits of
+    chunk position last_B[b] only (the last real token: all that sampling needs).
+    Always a scan over layers, with the cache slices as scanned inputs/outputs;
+    pipelines are for training.
+    """
+    x_BTD = self._embed(tokens_BT)
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x_BTD, xs):
+      layer_state, k_BSKH, v_BSKH = xs
+      return nnx.merge(graphdef, layer_state).decode(
+          x_BTD, positions_BT, segment_ids_BT, (k_BSKH, v_BSKH), kv_segment_ids_BS,
+          kv_positions_BS, index_B)
+
+    x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (state, k_LBSKH, v_LBSKH))
+    x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
+    return self._logits(x_B1D)[:, 0], k_LBSKH, v_LBSKH
+
+  def _embed(self, tokens_BT):
+    x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.cfg.jnp_dtype)
+    return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
+
+  def _logits(self, x_BTD):
+    """Final norm and unembedding, in float32."""
+    cfg = self.cfg
     x_BTD = self.final_norm(x_BTD)
     if cfg.tie_embeddings:
       w_DV = self.embed_VD[...].T
@@ -86,8 +127,7 @@ class Transformer(nnx.Module):
       w_DV = self.unembed_DV[...]
     logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, w_DV.astype(cfg.jnp_dtype),
                             preferred_element_type=jnp.float32)
-    logits_BTV = constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
-    return (logits_BTV, stats) if return_stats else logits_BTV
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

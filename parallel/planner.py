@@ -113,6 +113,17 @@ def workload_from_config(config: ConfigDict) -> Workload:
       repeats=int(_get(pipe, "repeats", 1) or 1), schedule=str(_get(pipe, "schedule", "gpipe")))
 
 
+_FLASH_BLOCK = 512  # models/attention.py's default block_q / block_kv
+
+
+def _flash(cfg, seq_len: int) -> bool:
+  """Whether attention runs a flash kernel (O(T) memory) rather than materialising scores."""
+  from models.attention import AUTO_NAIVE_MAX_SCORES
+  if cfg.attention_impl == "auto":
+    return seq_len * seq_len >= AUTO_NAIVE_MAX_SCORES
+  return cfg.attention_impl != "naive"
+
+
 def _nbytes(shape, dtype) -> int:
   return math.prod(shape) * jnp.dtype(dtype).itemsize
 
@@ -220,7 +231,10 @@ class Planner:
         "Xs": ((rows, t, d), ("act_batch", "act_seq", "act_embed")),  # gathered for matmuls
         "Q": ((rows, t, n_h, h), ("act_batch", "act_seq", "act_heads", None)),
         "KV": ((rows, t, k_h, h), ("act_batch", "act_seq", "act_kv_heads", None)),
-        "S": ((rows, k_h, n_h // k_h, t, t), ("act_batch", "act_kv_heads", None, "act_seq", None)),
+        # Flash kernels keep one [block, block] score tile per head instead of [T, T].
+        "S": ((rows, k_h, n_h // k_h, t, t) if not _flash(cfg, t) else
+              (rows, k_h, n_h // k_h, min(t, _FLASH_BLOCK), min(t, _FLASH_BLOCK)),
+              ("act_batch", "act_kv_heads", None, "act_seq", None)),
         "Fm": ((rows, math.ceil(t * routed), f), ("act_batch", "act_seq", "act_mlp")),
         "V": ((rows, t, cfg.vocab_size), ("act_batch", "act_seq", "act_vocab")),
     }

