@@ -7,7 +7,7 @@ imbalance per step:
 
   python -m experiments.moe_study --workdir runs/moe_study --plot docs/img/moe_study.png
 
-Variants: `moe` (8 experts top-2, aux loss 0.01), `moe_no_aux` (aux weight 0),
+Variants: `moe` (8 experts top-2, aux loss 0.05), `moe_no_aux` (aux weight 0),
 `moe_bias` (auxiliary-loss-free balancing bias, aux weight 0) and `dense`
 (one SwiGLU of mlp_dim 352 = top_k x expert width: the same active parameters
 per token, without the 8x128 routers).

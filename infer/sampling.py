@@ -63,8 +63,14 @@ class SamplingParams:
     for name, ok, allowed in checks:
       if not ok:
         raise ValueError(f"sampling parameter {name}={getattr(self, name)!r} must be {allowed}")
-    if any(not s for s in self.stop):
-      raise ValueError("sampling parameter stop contains an empty string")
+    if not isinstance(self.stop, (list, tuple)) or not all(
+        isinstance(s, str) and s for s in self.stop):
+      raise ValueError(f"sampling parameter stop={self.stop!r} must be a list of non-empty "
+                       "strings")
+    if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+        isinstance(i, (int, np.integer)) for i in self.stop_token_ids):
+      raise ValueError(f"sampling parameter stop_token_ids={self.stop_token_ids!r} must be a "
+                       "list of token ids")
 
 
 class RowParams(NamedTuple):

@@ -135,6 +135,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   Mixtral expresses (_MIXTRAL_FIXED); moe_impl="capacity" exports the same weights,
   which transformers then runs dropless.
   """
+  if cfg.sliding_window:
+    # Written as is, transformers would run full attention: refuse instead of changing the model.
+    raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported: "
+                     "LlamaForCausalLM/MixtralForCausalLM exports run full attention")
   arch = "mixtral" if cfg.is_moe else "llama"
   hf = {
       "architectures": [_ARCHS[arch][0]], "model_type": arch,

@@ -105,30 +105,33 @@ class MoE(nnx.Module):
     bias_E = self.router_bias_E[...] if cfg.router_bias_rate else None
     expert_BTO, weight_BTO, probs_BTE = route(logits_BTE, bias_E, cfg.top_k, cfg.router_norm)
     w = (self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
-    out_BTD, dropped_BTO = self._experts(x_BTD.astype(dt), expert_BTO, weight_BTO, w)
-    if cfg.shared_mlp_dim:
-      out_BTD = out_BTD + self.shared(x_BTD)
     mask_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
                else segment_ids_BT > 0)
+    out_BTD, dropped_BTO = self._experts(x_BTD.astype(dt), expert_BTO, weight_BTO, mask_BT, w)
+    if cfg.shared_mlp_dim:
+      out_BTD = out_BTD + self.shared(x_BTD)
     stats = router_stats(logits_BTE, probs_BTE, expert_BTO, dropped_BTO, mask_BT)
     return parallel.constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed")), stats
 
-  def _experts(self, x_BTD, expert_BTO, weight_BTO, w):
+  def _experts(self, x_BTD, expert_BTO, weight_BTO, mask_BT, w):
     cfg = self.cfg
     if cfg.moe_impl == "capacity":
-      run = lambda x, e, g, w, ep: moe_dispatch.capacity_dispatch(
-          x, e, g, w, cfg.num_experts, cfg.capacity_factor, ep)
+      run = lambda x, e, g, m, w, ep: moe_dispatch.capacity_dispatch(
+          x, e, g, w, cfg.num_experts, cfg.capacity_factor, ep, mask_BT=m)
     else:
       impl = self._impl()
-      run = lambda x, e, g, w, ep: (moe_dispatch.dropless(x, e, g, w, impl, ep),
-                                    jnp.zeros(e.shape, bool))
+      # Padding is computed but cannot crowd out real tokens: there is no capacity.
+      run = lambda x, e, g, m, w, ep: (moe_dispatch.dropless(x, e, g, w, impl, ep),
+                                       jnp.zeros(e.shape, bool))
     ep_axes = parallel.expert_axes()
     if ep_axes is None:
-      return run(x_BTD, expert_BTO, weight_BTO, w, None)
+      return run(x_BTD, expert_BTO, weight_BTO, mask_BT, w, None)
     parallel.check_experts_divide(cfg.num_experts)
-    tokens = ("act_batch", "act_seq", None)
+    # Capacity is per sequence: each device must hold whole sequences (gathered if split).
+    seq = None if cfg.moe_impl == "capacity" else "act_seq"
+    tokens = ("act_batch", seq, None)
     experts = ("experts", None, None)
-    fn = parallel.shard_map_logical(lambda x, e, g, w: run(x, e, g, w, ep_axes),
-                                    in_names=(tokens, tokens, tokens, (experts,) * 3),
+    fn = parallel.shard_map_logical(lambda x, e, g, m, w: run(x, e, g, m, w, ep_axes),
+                                    in_names=(tokens, tokens, tokens, tokens[:2], (experts,) * 3),
                                     out_names=(tokens, tokens))
-    return fn(x_BTD, expert_BTO, weight_BTO, w)
+    return fn(x_BTD, expert_BTO, weight_BTO, mask_BT, w)

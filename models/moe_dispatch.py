@@ -131,16 +131,22 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
 
 
 def capacity_dispatch(x_BTD, expert_BTO, weight_BTO, w, num_experts: int, factor: float,
-                      ep_axes=None):
-  """GShard dispatch/combine; returns (out_BTD, dropped_BTO)."""
+                      ep_axes=None, mask_BT=None):
+  """GShard dispatch/combine; returns (out_BTD, dropped_BTO).
+
+  Padding (mask_BT False) takes no slot and gets no expert output; C is sized
+  from the padded length T (shapes are static), so it is an upper bound.
+  """
   b, t, _ = x_BTD.shape
   k = expert_BTO.shape[-1]
   c = capacity(t, k, num_experts, factor)
+  real_BT = jnp.ones((b, t), bool) if mask_BT is None else mask_BT
   # Slot of each choice in its expert's queue: first choices of all tokens, then second ...
-  onehot_BOTE = jax.nn.one_hot(jnp.swapaxes(expert_BTO, 1, 2), num_experts, dtype=jnp.int32)
+  onehot_BOTE = (jax.nn.one_hot(jnp.swapaxes(expert_BTO, 1, 2), num_experts, dtype=jnp.int32)
+                 * real_BT[:, None, :, None])
   queue_BAE = jnp.cumsum(onehot_BOTE.reshape(b, k * t, num_experts), axis=1) - 1
   slot_BTO = jnp.swapaxes(jnp.sum(queue_BAE.reshape(b, k, t, num_experts) * onehot_BOTE, -1), 1, 2)
-  kept_BTO = slot_BTO < c
+  kept_BTO = (slot_BTO < c) & real_BT[..., None]
   onehot_BTOE = jax.nn.one_hot(expert_BTO, num_experts, dtype=x_BTD.dtype)
   slot_BTOC = jax.nn.one_hot(jnp.where(kept_BTO, slot_BTO, c), c, dtype=x_BTD.dtype)
   dispatch_BTEC = jnp.einsum("BTOE,BTOC->BTEC", onehot_BTOE, slot_BTOC)
@@ -161,4 +167,4 @@ def capacity_dispatch(x_BTD, expert_BTO, weight_BTO, w, num_experts: int, factor
     y_JBECD = jax.lax.all_to_all(y_BECD.reshape(j, b, e_loc, c, -1), ep_axes, 0, 0, tiled=True)
     y_BECD = jnp.moveaxis(y_JBECD, 0, 1).reshape(b, num_experts, c, -1)
   out_BTD = jnp.einsum("BTEC,BECD->BTD", combine_BTEC, y_BECD)
-  return out_BTD, ~kept_BTO
+  return out_BTD, ~kept_BTO & real_BT[..., None]

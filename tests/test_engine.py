@@ -184,3 +184,10 @@ def test_smollm_engine_answer_matches_the_uncached_generate():
   # 30 layers of float32 (vs 2 for LOGPROB_TOL): the cache changes summation order only.
   np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=1e-4)
   assert "Paris" in result.text, result.text
+
+
+@pytest.mark.parametrize("kw, message", [(dict(stop="ab"), "stop='ab' must be a list"),
+                                         (dict(stop_token_ids=5), "stop_token_ids=5")])
+def test_malformed_stop_parameters_are_rejected(kw, message):
+  with pytest.raises(ValueError, match=message):
+    SamplingParams(**kw).validate()

@@ -293,3 +293,38 @@ def test_shared_expert_adds_a_dense_swiglu_every_token_goes_through():
   np.testing.assert_allclose(out_BTD, routed_BTD + layer.shared(x_BTD), rtol=1e-6, atol=1e-7)
   assert cfg.num_params(active=True) - ModelConfig(**CFG).num_params(active=True) == (
       CFG["num_layers"] * 3 * CFG["d_model"] * 16)
+
+
+def test_padding_takes_no_capacity_and_changes_nothing_for_real_tokens():
+  """Real tokens alone vs the same tokens followed by padding that all wants one expert."""
+  cfg = ModelConfig(**CFG, moe_impl="capacity", capacity_factor=1.0)
+  layer = moe.MoE(cfg, nnx.Rngs(0))
+  rng = np.random.default_rng(5)
+  real_BTD = jnp.asarray(rng.standard_normal((2, 8, CFG["d_model"])), jnp.float32)
+  pad_BTD = jnp.broadcast_to(real_BTD[:, :1], (2, 8, CFG["d_model"]))  # copies of token 0
+  x_BTD = jnp.concatenate([real_BTD, pad_BTD], axis=1)
+  seg_BT = jnp.concatenate([jnp.ones((2, 8), jnp.int32), jnp.zeros((2, 8), jnp.int32)], axis=1)
+  # Capacity is sized from the padded length, so give the real-only run the same slots.
+  expert_BTO, weight_BTO, _ = moe.route(
+      jnp.einsum("BTD,DE->BTE", x_BTD, layer.router_DE[...]), None, 2, "topk")
+  w = (layer.gate_EDF[...], layer.up_EDF[...], layer.down_EFD[...])
+  with_pad, dropped = moe_dispatch.capacity_dispatch(x_BTD, expert_BTO, weight_BTO, w, 4, 0.5,
+                                                     mask_BT=seg_BT > 0)
+  alone, dropped_alone = moe_dispatch.capacity_dispatch(
+      real_BTD, expert_BTO[:, :8], weight_BTO[:, :8], w, 4, 1.0)
+  assert moe_dispatch.capacity(16, 2, 4, 0.5) == moe_dispatch.capacity(8, 2, 4, 1.0)
+  np.testing.assert_array_equal(dropped[:, :8], dropped_alone)
+  assert not np.any(dropped[:, 8:])  # padding is neither kept nor counted as dropped
+  np.testing.assert_allclose(with_pad[:, :8], alone, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(with_pad[:, 8:], 0)
+
+
+def test_balancing_bias_raises_underloaded_and_lowers_overloaded_experts():
+  from train.moe_metrics import update_router_bias
+  cfg = ModelConfig(**CFG, router_bias_rate=0.1)
+  params = {"router_bias_E": jnp.zeros((2, 4)), "other": jnp.ones(3)}
+  new = {"router_bias_E": jnp.full((2, 4), 7.0), "other": jnp.full(3, 2.0)}  # the optimizer's
+  stats = {"load": jnp.asarray([[10.0, 30.0, 20.0, 20.0], [20.0, 20.0, 20.0, 20.0]])}
+  out = update_router_bias(cfg, new, params, stats)
+  np.testing.assert_allclose(out["router_bias_E"], [[0.1, -0.1, 0.0, 0.0], [0.0] * 4])
+  np.testing.assert_array_equal(out["other"], new["other"])

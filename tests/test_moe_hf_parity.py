@@ -108,7 +108,8 @@ def test_export_round_trip(tmp_path, case):
 
 
 @pytest.mark.parametrize("change", [
-    dict(shared_mlp_dim=16), dict(router_bias_rate=1e-3), dict(router_norm="all")])
+    dict(shared_mlp_dim=16), dict(router_bias_rate=1e-3), dict(router_norm="all"),
+    dict(sliding_window=5)])
 def test_export_rejects_what_mixtral_cannot_express(tmp_path, change):
   cfg = dataclasses.replace(models.ModelConfig(num_experts=4, top_k=2, vocab_size=64, d_model=32,
                                                mlp_dim=48, num_layers=1), **change)

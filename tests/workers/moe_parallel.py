@@ -49,6 +49,9 @@ CASES = {
     # how the batch is split.
     "capacity_drops_expert": (dict(moe_impl="capacity", capacity_factor=1.0), "expert",
                               dict(data=2, expert=4), False),
+    # Sequences split over `sequence`: the layer gathers whole sequences, so the same drops.
+    "capacity_drops_sequence_expert": (dict(moe_impl="capacity", capacity_factor=1.0),
+                                       "sequence+expert", dict(sequence=2, expert=4), False),
 }
 
 
