@@ -13,36 +13,20 @@ Train it (set the data and a Llama-3 tokenizer first; one process per host):
       --config.data.path=DATA --config.tokenizer.path=TOKENIZER_DIR
 """
 
-
-from experiments.defaults import base_config
+from experiments.llama3_8b_pod import get_config as llama3_8b_config
 
 
 def get_config():
-  c = base_config()
-  c.steps = 10_000
-  c.batch_size = 256
-  c.seq_len = 8192
+  """The Llama-3-8B pod config (vocabulary, RoPE, numerics, schedule) at 70B sizes."""
+  c = llama3_8b_config()
   c.grad_accum = 2          # halves the logits, computed for a whole model call at once
-  c.log_every = 10
-  c.eval_every = 500
-  c.checkpoint_every = 500
 
-  c.model.vocab_size = 128256
   c.model.d_model = 8192
   c.model.num_layers = 80
   c.model.num_heads = 64
-  c.model.num_kv_heads = 8
   c.model.mlp_dim = 28672
-  c.model.rope_theta = 500000.0
-  c.model.norm_eps = 1e-5
-  c.model.max_seq_len = 8192
-  c.model.param_dtype = "float32"
-  c.model.dtype = "bfloat16"
-  c.model.remat = "full"
 
   c.optimizer.lr = 1.5e-4
-  c.optimizer.warmup_steps = 2000
-  c.optimizer.weight_decay = 0.1
 
   c.mesh = dict(data=1, fsdp=8, tensor=8, pipeline=4, expert=1, sequence=1)
   c.sharding = "pipeline+fsdp+tensor+sequence"

@@ -47,15 +47,6 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_BTNH.dtype)
 
 
-def attention_mask(segment_ids_BT: jax.Array | None, q_len: int, k_len: int) -> jax.Array:
-  """Causal mask, also blocking attention across packed documents: [B|1, T, S] bool."""
-  causal_TS = jnp.arange(q_len)[:, None] >= jnp.arange(k_len)[None, :]
-  if segment_ids_BT is None:
-    return causal_TS[None]
-  same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-  return causal_TS[None] & same_BTS
-
-
 class Attention(nnx.Module):
   """Grouped-query attention: N query heads share K key/value heads in groups of G."""
 
