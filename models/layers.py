@@ -70,26 +70,17 @@ class Attention(nnx.Module):
                          sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
     return self._out(out_BTNH)
 
-  def decode(self, x_BTD, positions_BT, segment_ids_BT, k_BSKH, v_BSKH, kv_segment_ids_BS,
-             kv_positions_BS, index_B):
-    """Cached attention (inference): (out_BTD, k_BSKH, v_BSKH).
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache):
+    """Cached attention (inference): (out_BTD, layer_cache).
 
-    Writes this chunk's keys and values into row b's cache slots
-    [index_B[b], index_B[b] + T), then attends over every slot the segment ids
-    and positions allow (`kv_*_BS` already describe the written chunk; id 0 is
-    an empty slot). Same projections as `__call__`; only the keys differ.
+    `cache` (infer/kv_cache.py, infer/paged.py) decides where keys live: its
+    `attend` stores this chunk's keys and values in `layer_cache` and attends
+    over everything the row may see. Same projections as `__call__`.
     """
-    cfg = self.cfg
     q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
-    kv_names = ("act_batch", "act_seq", "act_kv_heads", None)
-    k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), index_B), kv_names)
-    v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), index_B), kv_names)
-    out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH,
-                         q_segment_ids_BT=segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
-                         q_positions_BT=positions_BT, kv_positions_BS=kv_positions_BS,
-                         causal=True, sliding_window=cfg.sliding_window or None,
-                         impl=cfg.attention_impl)
-    return self._out(out_BTNH), k_BSKH, v_BSKH
+    out_BTNH, layer_cache = cache.attend(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
+                                         segment_ids_BT, self.cfg)
+    return self._out(out_BTNH), layer_cache
 
   def _qkv(self, x_BTD, positions_BT):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
@@ -128,10 +119,3 @@ class MLP(nnx.Module):
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
     out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, self.down_FD[...].astype(dt))
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
-
-
-def write_rows(buf_BS, new_BT, index_B):
-  """buf_BS with row b's new_BT at slots [index_B[b], index_B[b] + T) (any trailing dims)."""
-  write = lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0)
-  return jax.vmap(write)(buf_BS, new_BT, index_B)
-

@@ -38,13 +38,12 @@ class Block(nnx.Module):
     x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
     return self._mlp_residual(x_BTD, segment_ids_BT)
 
-  def decode(self, x_BTD, positions_BT, segment_ids_BT, kv, kv_segment_ids_BS, kv_positions_BS,
-             index_B):
-    """Cached block (inference): (x_BTD, (k_BSKH, v_BSKH)) with this chunk written to the cache."""
-    a_BTD, k_BSKH, v_BSKH = self.attn.decode(self.attn_norm(x_BTD), positions_BT, segment_ids_BT,
-                                             *kv, kv_segment_ids_BS, kv_positions_BS, index_B)
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache):
+    """Cached block (inference): (x_BTD, layer_cache) with this chunk stored in the cache."""
+    a_BTD, layer_cache = self.attn.decode(self.attn_norm(x_BTD), positions_BT, segment_ids_BT,
+                                          layer_cache, cache)
     x_BTD, _ = self._mlp_residual(x_BTD + a_BTD, segment_ids_BT)
-    return x_BTD, (k_BSKH, v_BSKH)
+    return x_BTD, layer_cache
 
   def _mlp_residual(self, x_BTD, segment_ids_BT):
     if isinstance(self.mlp, MoE):
@@ -90,28 +89,29 @@ class Transformer(nnx.Module):
     logits_BTV = self._logits(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
-  def decode(self, tokens_BT, positions_BT, segment_ids_BT, k_LBSKH, v_LBSKH, kv_segment_ids_BS,
-             kv_positions_BS, index_B, last_B):
-    """Cached forward (inference; infer/kv_cache.py drives it): (logits_BV, k_LBSKH, v_LBSKH).
+  def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None):
+    """Cached forward (inference; infer/ drives it): (logits, layers_cache).
 
-    Each layer writes this chunk's keys/values into its cache slice at row b's
-    slots index_B[b].., then attends over the cache. Returns the logits of
-    chunk position last_B[b] only (the last real token: all that sampling needs).
-    Always a scan over layers, with the cache slices as scanned inputs/outputs;
-    pipelines are for training.
+    `layers_cache` is a pytree whose leaves have a leading layer axis; each
+    layer's slice goes to `cache.attend` (see Attention.decode), which writes
+    this chunk's keys and values and attends over the cache. With `last_B`,
+    returns logits_BV at chunk position last_B[b] only (all plain sampling
+    needs); without, logits_BTV at every position (speculative verification).
+    Always a scan over layers; pipelines are for training.
     """
     x_BTD = self._embed(tokens_BT)
     graphdef, state = nnx.split(self.blocks)
 
     def body(x_BTD, xs):
-      layer_state, k_BSKH, v_BSKH = xs
-      return nnx.merge(graphdef, layer_state).decode(
-          x_BTD, positions_BT, segment_ids_BT, (k_BSKH, v_BSKH), kv_segment_ids_BS,
-          kv_positions_BS, index_B)
+      layer_state, layer_cache = xs
+      return nnx.merge(graphdef, layer_state).decode(x_BTD, positions_BT, segment_ids_BT,
+                                                     layer_cache, cache)
 
-    x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(body, x_BTD, (state, k_LBSKH, v_LBSKH))
+    x_BTD, layers_cache = jax.lax.scan(body, x_BTD, (state, layers_cache))
+    if last_B is None:
+      return self._logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
-    return self._logits(x_B1D)[:, 0], k_LBSKH, v_LBSKH
+    return self._logits(x_B1D)[:, 0], layers_cache
 
   def _embed(self, tokens_BT):
     x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.cfg.jnp_dtype)
