@@ -1,0 +1,184 @@
+"""`PagedEngine`: continuous batching over a paged KV cache, with chunked prefill.
+
+    engine = PagedEngine(model, tokenizer, max_seq_len=1024, max_batch=8)
+    results = engine.generate(prompts, SamplingParams(max_tokens=64))   # like Engine
+    rid = engine.add_request("Hi", SamplingParams())                    # or drive it
+    while engine.has_work:
+      for rid, token in engine.step(): ...
+
+Each step runs what infer/scheduler.py planned: one jitted call for the
+sequences still reading their prompts (chunks right-padded to a power of
+two) and one for the decoding ones (one token each, `max_batch` rows). A
+finished request frees its slot and blocks at once, and a waiting one takes
+them at the next step: no request waits for the longest in its batch.
+
+Outputs equal the contiguous Engine's: same model code, same sampler, and a
+request's randomness depends on its seed and token index only, so batching,
+chunking and preemption change nothing but speed.
+"""
+
+import functools
+import time
+from typing import Iterator, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer import paged
+from infer.block_manager import BlockManager
+from infer.engine import Engine, Result, Token
+from infer.sampling import RowParams, SamplingParams, sample
+from infer.scheduler import Scheduler, Sequence
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def _step(graphdef, state, pool, tokens_BT, segment_ids_BT, start_B, table_BY, seen_BV, rows,
+          step_B):
+  model = nnx.merge(graphdef, state)
+  logits_BV, pool = paged.forward(model, pool, tokens_BT, segment_ids_BT, start_B, table_BY)
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, step_B)
+  return token_B, logprob_B, pool
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+class PagedEngine(Engine):
+  """Continuous batching with a paged KV cache; see the module docstring."""
+
+  def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
+               block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
+               prefill_chunk: int = 256, prefix_caching: bool = True):
+    super().__init__(model, tokenizer, max_seq_len, max_batch)
+    self.block_size = block_size
+    self.max_blocks = -(-self.max_seq_len // block_size)
+    num_blocks = max_batch * self.max_blocks if num_blocks is None else num_blocks
+    self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+    self.scheduler = Scheduler(self.blocks, max_batch, token_budget, prefill_chunk)
+    self.pool = paged.init_pool(model.cfg, num_blocks + 1, block_size)
+    self.page_bytes = paged.page_bytes(model.cfg, block_size)
+    self._next_id = 0
+    self.sequences: dict[int, Sequence] = {}
+
+  # ---- driving it one step at a time ----
+
+  def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+    """Queues a request; raises ValueError naming the limit it breaks. Returns its id."""
+    request = self._request(prompt, params or SamplingParams())
+    seq = Sequence(self._next_id, request)
+    self.scheduler.add(seq)
+    self.sequences[seq.rid] = seq
+    self._next_id += 1
+    return seq.rid
+
+  @property
+  def has_work(self) -> bool:
+    return self.scheduler.has_work
+
+  def step(self) -> list[tuple[int, Token]]:
+    """Runs one scheduled step; returns the tokens it produced as (request id, Token)."""
+    work = self.scheduler.schedule()
+    decodes = [(s, n) for s, n in work.chunks if n == 1]
+    prefills = [(s, n) for s, n in work.chunks if n > 1]
+    events = []
+    for group, rows in ((prefills, _pow2(len(prefills))), (decodes, self.max_batch)):
+      if group:
+        events += self._run_group(group, rows)
+    return events
+
+  def counters(self) -> dict:
+    """Running/waiting/preempted requests, blocks used, prefix-cache hits, and more."""
+    c, b = self.scheduler.counters, self.blocks
+    return dict(running=c.running, waiting=c.waiting, preemptions=c.preemptions,
+                admitted=c.admitted, finished=c.finished, steps=c.steps,
+                prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+                cached_prompt_tokens=c.cached_prompt_tokens, blocks_used=b.num_used,
+                blocks_free=b.num_free, blocks_total=b.num_blocks, blocks_peak=b.peak_used,
+                prefix_cache_queries=b.counters.prefix_queries,
+                prefix_cache_hits=b.counters.prefix_hits, blocks_evicted=b.counters.evicted)
+
+  # ---- the Engine API ----
+
+  def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> list[Result]:
+    """Results in prompt order; an invalid request in a batch gets finish_reason "error"."""
+    single = isinstance(prompts, str) or (len(prompts) > 0
+                                          and isinstance(prompts[0], (int, np.integer)))
+    prompts = [prompts] if single else list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+      params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    results: list[Result | None] = [None] * len(prompts)
+    ids = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+      try:
+        ids[self.add_request(prompt, p)] = i
+      except ValueError as e:
+        if single:
+          raise
+        results[i] = Result("", [], None, "error", error=str(e))
+    while self.has_work:
+      self.step()
+    for rid, i in ids.items():
+      results[i] = self.sequences.pop(rid).request.result()
+    return results
+
+  def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[Token]:
+    """Tokens of one request as they come; other queued requests are served meanwhile."""
+    rid = self.add_request(prompt, params)
+
+    def tokens():
+      while not self.sequences[rid].request.done:
+        for r, token in self.step():
+          if r == rid:
+            yield token
+      self.sequences.pop(rid)
+
+    return tokens()
+
+  # ---- one jitted call ----
+
+  def _run_group(self, group: list[tuple[Sequence, int]], rows: int) -> list[tuple[int, Token]]:
+    t = 1 if all(n == 1 for _, n in group) else _pow2(max(n for _, n in group), 16)
+    width = _pow2(max(len(s.blocks.blocks) for s, _ in group), 4) if t == 1 else self.max_blocks
+    width = min(width, self.max_blocks)
+    tokens_BT = np.zeros((rows, t), np.int32)
+    segment_ids_BT = np.zeros((rows, t), np.int32)
+    start_B = np.zeros(rows, np.int32)
+    table_BY = np.zeros((rows, width), np.int32)
+    step_B = np.zeros(rows, np.int32)
+    params = [SamplingParams()] * rows
+    penalised = any(s.request.params.repetition_penalty != 1 for s, _ in group)
+    seen_BV = np.zeros((rows, self.vocab_size), bool)
+    for i, (seq, n) in enumerate(group):
+      ids = seq.token_ids
+      tokens_BT[i, :n] = ids[seq.num_computed:seq.num_computed + n]
+      segment_ids_BT[i, :n] = 1
+      start_B[i] = seq.num_computed
+      table_BY[i] = self.blocks.table(seq.blocks, width)
+      step_B[i] = len(seq.request.token_ids)
+      params[i] = seq.request.params
+      if penalised:
+        seen_BV[i, ids[:seq.num_computed + n]] = True
+    token_B, logprob_B, self.pool = _step(
+        self.graphdef, self.state, self.pool, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT),
+        jnp.asarray(start_B), jnp.asarray(table_BY),
+        jnp.asarray(seen_BV), RowParams.stack(params),
+        jnp.asarray(step_B))
+    tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
+    events = []
+    for i, (seq, n) in enumerate(group):
+      self.scheduler.computed(seq, n)
+      if seq.remaining:
+        continue  # mid-prompt: this chunk's sample is not a token of the output
+      token = seq.request.add(int(tokens[i]), float(logprobs[i]))
+      if seq.first_token_time is None:
+        seq.first_token_time = time.perf_counter()
+      events.append((seq.rid, token))
+      if seq.request.done:
+        self.scheduler.finish(seq)
+    return events
