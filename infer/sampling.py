@@ -90,12 +90,23 @@ class RowParams(NamedTuple):
                col("seed", np.uint32))
 
 
+def penalised_logits(logits_BV, seen_BV, penalty_B) -> jax.Array:
+  """float32 logits with the repetition penalty applied to the seen tokens."""
+  logits_BV = logits_BV.astype(jnp.float32)
+  penalty_B1 = penalty_B[:, None]
+  penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
+  return jnp.where(seen_BV, penalised_BV, logits_BV)
+
+
+def greedy_tokens(logits_BV, seen_BV, rows: RowParams) -> jax.Array:
+  """What a greedy row picks: the filters all keep the largest logit (and its ties), so the
+  argmax after the repetition penalty alone, without sorting the vocabulary."""
+  return jnp.argmax(penalised_logits(logits_BV, seen_BV, rows.penalty_B), axis=-1)
+
+
 def filtered_logits(logits_BV, seen_BV, rows: RowParams) -> jax.Array:
   """The logits a row samples from: penalised, tempered, filtered tokens at -inf (float32)."""
-  logits_BV = logits_BV.astype(jnp.float32)
-  penalty_B1 = rows.penalty_B[:, None]
-  penalised_BV = jnp.where(logits_BV > 0, logits_BV / penalty_B1, logits_BV * penalty_B1)
-  logits_BV = jnp.where(seen_BV, penalised_BV, logits_BV)
+  logits_BV = penalised_logits(logits_BV, seen_BV, rows.penalty_B)
   temperature_B1 = rows.temperature_B[:, None]
   logits_BV = logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0)
   # Each filter is a threshold on the sorted logits (ties with the threshold are kept).
@@ -122,10 +133,15 @@ def sample(logits_BV, seen_BV, rows: RowParams, step_B):
   Row b's randomness is fold_in(key(seed_b), step_b): it depends on its own
   seed and step only, never on the rest of the batch.
   """
-  filtered_BV = filtered_logits(logits_BV, seen_BV, rows)
-  keys_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed_B, step_B)
-  sampled_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV)
-  token_B = jnp.where(rows.temperature_B > 0, sampled_B, jnp.argmax(filtered_BV, axis=-1))
+  def any_sampled(_):
+    filtered_BV = filtered_logits(logits_BV, seen_BV, rows)
+    keys_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed_B, step_B)
+    sampled_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV)
+    return jnp.where(rows.temperature_B > 0, sampled_B, jnp.argmax(filtered_BV, axis=-1))
+
+  # An all-greedy batch skips the sort of the vocabulary (~9 ms a row for 49k tokens on CPU).
+  token_B = jax.lax.cond(jnp.all(rows.temperature_B == 0),
+                         lambda _: greedy_tokens(logits_BV, seen_BV, rows), any_sampled, None)
   token_B = token_B.astype(jnp.int32)
   logprobs_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   return token_B, jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=-1)[:, 0]

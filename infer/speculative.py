@@ -1,0 +1,222 @@
+"""Speculative decoding: a cheap draft proposes gamma tokens, the target verifies them in one pass.
+
+    decoder = SpeculativeDecoder(target, PromptLookupDraft(max_ngram=3), gamma=4)
+    token_ids, stats = decoder.generate(prompt_ids, SamplingParams(max_tokens=128))
+
+Each round (Leviathan et al. 2023; Chen et al. 2023), with x the last token of
+the text (not yet in the target's cache) and d1..dk the drafts (k <= gamma):
+
+  1. the target runs once on [x, d1..dk] (kv_cache.forward, all_logits) and
+     gets p_1..p_{k+1}, its sampling distributions after each prefix;
+  2. `accept`: d_i is kept with probability min(1, p_i(d_i)/q_i(d_i)) until
+     the first rejection, which is replaced by a sample of norm(max(0, p - q));
+     if all k are kept, a bonus token is sampled from p_{k+1};
+  3. the target cache is cut back to the kept tokens (kv_cache.truncate).
+
+p and q are the *filtered* distributions (softmax of `filtered_logits`, after
+repetition penalty, temperature, top-k/p, min-p), so the output follows the
+target's sampling distribution exactly; at temperature 0 both are one-hot and
+the output is the target's greedy output token for token. Randomness is
+fold_in(fold_in(key(seed), step), stream) with step the index of the round's
+first new token: reproducible per request, independent of the draft's stream.
+
+One request at a time (batch 1). Shapes are static per gamma (short lookup
+proposals are padded to gamma, a lookup miss verifies just x), so jit compiles
+at most 2 verification and 1 draft variant per gamma value.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer import kv_cache
+from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
+                          round_key, sampling_probs)
+from infer.sampling import RowParams, SamplingParams, mark_seen
+
+__all__ = ["SpeculativeDecoder", "SpecStats", "ModelDraft", "PromptLookupDraft", "accept"]
+MAX_GAMMA = 16
+NO_RESIDUAL = 1e-6  # mass below which max(0, p - q) is rounding noise: p and q agree
+
+
+def accept(p_TV, q_YV, drafts_Y, key, n_drafts=None):
+  """The exact acceptance rule: (n kept drafts, the token that follows them).
+
+  p_TV: target probabilities after each of the T = Y + 1 prefixes; q_YV: the
+  draft's, from which drafts_Y were sampled; only the first n_drafts (default
+  all) are real. The emitted tokens, drafts_Y[:n] then `token`, are
+  distributed as sequential samples from p.
+  """
+  y = drafts_Y.shape[0]
+  valid_Y = jnp.arange(y) < (y if n_drafts is None else n_drafts)
+  q_YV = jnp.where(valid_Y[:, None], q_YV, 0.0)  # past the drafts, the residual is p itself
+  u_key, r_key = jax.random.split(key)
+  p_x_Y = p_TV[jnp.arange(y), drafts_Y]
+  q_x_Y = q_YV[jnp.arange(y), drafts_Y]
+  # u < p/q without dividing (q(x) > 0: x was drawn from q); as u < 1, p(x) >= q(x) always keeps.
+  kept_Y = (jax.random.uniform(u_key, (y,)) * q_x_Y < p_x_Y) & valid_Y
+  n = jnp.sum(jnp.cumprod(kept_Y.astype(jnp.int32)))
+  q_TV = jnp.concatenate([q_YV, jnp.zeros_like(p_TV[:1])])  # q = 0 after the last draft: bonus
+  residual_V = jnp.maximum(p_TV[n] - q_TV[n], 0.0)
+  residual_V = jnp.where(jnp.sum(residual_V) > NO_RESIDUAL, residual_V, p_TV[n])
+  return n, jax.random.categorical(r_key, jnp.log(residual_V)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_1V"))
+def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
+  """One target pass over [last, drafts[:n_drafts]] (the rest is padding):
+  (n, emitted_T, logprobs_T, cache, seen_1V); emitted_T[:n + 1] are the new tokens."""
+  model = nnx.merge(graphdef, state)
+  t, v = drafts_Y.shape[0] + 1, model.cfg.vocab_size
+  chunk_1T = jnp.concatenate([last_1, drafts_Y])[None]
+  real_1T = (jnp.arange(t) <= n_drafts).astype(jnp.int32)[None]
+  logits_1TV, cache = kv_cache.forward(model, chunk_1T, real_1T, cache, all_logits=True)
+  drafted_YV = jax.nn.one_hot(drafts_Y, v, dtype=jnp.int32) * real_1T[0, 1:, None]
+  # The repetition penalty at position i sees the text plus drafts 1..i.
+  seen_TV = seen_1V | jnp.concatenate([jnp.zeros((1, v), bool),
+                                       jnp.cumsum(drafted_YV, axis=0) > 0])
+  rows_T = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), rows)
+  p_TV = sampling_probs(logits_1TV[0], seen_TV, rows_T)
+  q_YV = drafted_YV.astype(jnp.float32) if q_YV is None else q_YV
+  n, token = accept(p_TV, q_YV, drafts_Y, round_key(rows.seed_B[0], step, ACCEPT_STREAM),
+                    n_drafts)
+  emitted_T = jnp.where(jnp.arange(t) < n, jnp.concatenate([drafts_Y, last_1]), token)
+  logprobs_T = jnp.take_along_axis(jax.nn.log_softmax(logits_1TV[0], axis=-1),
+                                   emitted_T[:, None], axis=-1)[:, 0]
+  cache = kv_cache.truncate(cache, cache.lengths_B - n_drafts + n)  # drop the rejected drafts
+  seen_1V = mark_seen(seen_1V, emitted_T[None], (jnp.arange(t) <= n)[None])
+  return n, emitted_T, logprobs_T, cache, seen_1V
+
+
+@dataclasses.dataclass
+class SpecStats:
+  """Counts of one request. Position i (0-based) is draft i + 1 of a round; a round's
+  drafts are counted as the rule judged them, even past max_tokens or a stop token."""
+  proposed_Y: list[int]
+  accepted_Y: list[int]
+  target_passes: int = 0  # verification passes (plus one prefill per request)
+  draft_passes: int = 0   # draft forward passes (0 for prompt lookup)
+  tokens: int = 0         # tokens returned
+  finish_reason: str = ""
+  logprobs: list[float] | None = None
+  gammas: list[int] = dataclasses.field(default_factory=list)  # drafts proposed each round
+
+  def per_position_rate(self) -> list[float | None]:
+    return [a / p if p else None for a, p in zip(self.accepted_Y, self.proposed_Y)]
+
+  def acceptance_rate(self) -> float | None:
+    return sum(self.accepted_Y) / sum(self.proposed_Y) if sum(self.proposed_Y) else None
+
+  def mean_accepted(self) -> float:
+    """Drafts kept per target pass."""
+    return sum(self.accepted_Y) / max(self.target_passes, 1)
+
+  def tokens_per_pass(self) -> float:
+    return self.tokens / max(self.target_passes, 1)
+
+  def to_dict(self) -> dict:
+    out = dataclasses.asdict(self)
+    out.update(per_position_rate=self.per_position_rate(), acceptance_rate=self.acceptance_rate(),
+               mean_accepted=self.mean_accepted(), tokens_per_pass=self.tokens_per_pass())
+    return out
+
+
+class SpeculativeDecoder:
+  """Speculative generation of one request at a time; see the module docstring.
+
+  draft: ModelDraft(smaller_model) or PromptLookupDraft(). gamma: drafts per
+  round; with adaptive, gamma is the maximum and each round's moves in
+  [1, gamma]: +1 after all drafts were kept, -1 after the first was rejected.
+  eos_id (unless params.ignore_eos) and params.stop_token_ids end generation;
+  the stop token is the last one returned, as in Engine.
+  """
+
+  def __init__(self, target, draft, gamma: int = 4, max_seq_len: int | None = None, *,
+               adaptive: bool = False, eos_id: int | None = None):
+    cfg = target.cfg
+    if not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= MAX_GAMMA:
+      raise ValueError(f"gamma={gamma!r} must be an integer in [1, {MAX_GAMMA}]")
+    if not isinstance(draft, (ModelDraft, PromptLookupDraft)):
+      raise ValueError(f"draft must be a ModelDraft or PromptLookupDraft, not {type(draft)}")
+    max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
+    limits = [("target", cfg.max_seq_len)]
+    if isinstance(draft, ModelDraft):
+      if draft.cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"vocabulary mismatch: the draft model has {draft.cfg.vocab_size} "
+                         f"tokens, the target {cfg.vocab_size}")
+      limits.append(("draft", draft.cfg.max_seq_len))
+    for name, limit in limits:
+      if not 0 < max_seq_len <= limit:
+        raise ValueError(f"max_seq_len={max_seq_len} must be in [1, the {name} model's "
+                         f"max_seq_len={limit}]")
+    self.draft, self.gamma, self.adaptive, self.eos_id = draft, int(gamma), adaptive, eos_id
+    self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
+    # Drafts past the last verified token need room too (they may be cut after the fact).
+    self.cache_len = max_seq_len + self.gamma
+    self.graphdef, self.state = nnx.split(target)
+
+  def check(self, prompt_ids, params: SamplingParams) -> None:
+    """Raises ValueError naming the problem with a request."""
+    params.validate()
+    n, s = len(prompt_ids), self.max_seq_len
+    if n == 0:
+      raise ValueError("empty prompt: a request needs at least one prompt token")
+    if n + params.max_tokens > s:
+      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                       f"{n + params.max_tokens} exceeds max_seq_len={s}")
+    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+    if params.stop:
+      raise ValueError("stop strings need text; SpeculativeDecoder works on token ids: use "
+                       "stop_token_ids")
+
+  def generate(self, prompt_ids, params: SamplingParams | None = None):
+    """(new token ids, SpecStats) for one prompt (a list of token ids)."""
+    params = params or SamplingParams()
+    prompt_ids = [int(t) for t in prompt_ids]
+    self.check(prompt_ids, params)
+    stop_ids = set(params.stop_token_ids)
+    if self.eos_id is not None and not params.ignore_eos:
+      stop_ids.add(self.eos_id)
+    rows = RowParams.stack([params])
+    # The target's cache holds all but the last prompt token: the first round feeds that one.
+    cache, seen_1V = prefill(self.graphdef, self.state, padded_prompt(prompt_ids, self.cache_len),
+                             length=len(prompt_ids), max_len=self.cache_len)
+    self.draft.start(prompt_ids, self.cache_len)
+    passes0 = self.draft.passes
+    stats = SpecStats([0] * self.gamma, [0] * self.gamma)
+    tokens, out, logprobs, gamma = list(prompt_ids), [], [], self.gamma
+    while not stats.finish_reason:
+      drafts_Y, k, q_YV = self.draft.propose(tokens, gamma, seen_1V, rows, len(out))
+      n, emitted_T, logprobs_T, cache, seen_1V = _verify(
+          self.graphdef, self.state, cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
+          q_YV, seen_1V, rows, len(out))
+      n = int(n)
+      self.draft.accepted(n)
+      stats.target_passes += 1
+      stats.gammas.append(k)
+      for i in range(k):
+        stats.proposed_Y[i] += 1
+        stats.accepted_Y[i] += i < n
+      new = np.asarray(emitted_T)[:n + 1].tolist()
+      for token, logprob in zip(new, np.asarray(logprobs_T).tolist()):
+        out.append(token)
+        logprobs.append(logprob)
+        if token in stop_ids:
+          stats.finish_reason = "stop"
+        elif len(out) >= params.max_tokens:
+          stats.finish_reason = "length"
+        if stats.finish_reason:
+          break
+      tokens.extend(new)
+      if self.adaptive and k:  # a lookup miss (k = 0) says nothing about gamma
+        gamma = min(gamma + 1, self.gamma) if n == k else max(gamma - 1, 1) if n == 0 else gamma
+    stats.draft_passes = self.draft.passes - passes0
+    stats.tokens = len(out)
+    stats.logprobs = logprobs if params.logprobs else None
+    return out, stats
