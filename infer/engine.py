@@ -118,6 +118,36 @@ def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step):
   return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], active_B[:, None])
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, max_seq_len: int,
+                  vocab_size: int) -> None:
+  """Raises ValueError naming the limit a request breaks."""
+  params.validate()
+  n, s = len(prompt_ids), max_seq_len
+  if n == 0:
+    raise ValueError("empty prompt: a request needs at least one prompt token")
+  if n >= s:
+    raise ValueError(f"prompt of {n} tokens is longer than the context: max_seq_len={s} "
+                     "(which must also leave room for one new token)")
+  if n + params.max_tokens > s:
+    raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                     f"{n + params.max_tokens} exceeds max_seq_len={s}")
+  bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def batch_of_requests(prompts, params):
+  """(single, prompts, params): one request or a list of them, with one SamplingParams each."""
+  single = isinstance(prompts, str) or (len(prompts) > 0
+                                        and isinstance(prompts[0], (int, np.integer)))
+  prompts = [prompts] if single else list(prompts)
+  if params is None or isinstance(params, SamplingParams):
+    params = [params or SamplingParams()] * len(prompts)
+  if len(params) != len(prompts):
+    raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+  return single, prompts, params
+
+
 class Engine:
   """KV-cached generation for a model and its tokenizer; see the module docstring."""
 
@@ -142,13 +172,7 @@ class Engine:
     invalid; in a batch, an invalid request gets finish_reason "error" and the
     others are still served.
     """
-    single = isinstance(prompts, str) or (len(prompts) > 0
-                                          and isinstance(prompts[0], (int, np.integer)))
-    prompts = [prompts] if single else list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-      params = [params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    single, prompts, params = batch_of_requests(prompts, params)
     results: list[Result | None] = [None] * len(prompts)
     pending = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -180,19 +204,7 @@ class Engine:
 
   def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
     """Raises ValueError naming the limit a request breaks."""
-    params.validate()
-    n, s = len(prompt_ids), self.max_seq_len
-    if n == 0:
-      raise ValueError("empty prompt: a request needs at least one prompt token")
-    if n >= s:
-      raise ValueError(f"prompt of {n} tokens is longer than the context: max_seq_len={s} "
-                       "(which must also leave room for one new token)")
-    if n + params.max_tokens > s:
-      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                       f"{n + params.max_tokens} exceeds max_seq_len={s}")
-    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-    if bad:
-      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+    check_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
 
   def _request(self, prompt, params: SamplingParams) -> _Request:
     ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -28,7 +28,7 @@ from flax import nnx
 
 from infer import paged
 from infer.block_manager import BlockManager
-from infer.engine import Engine, Result, Token
+from infer.engine import Engine, Result, Token, batch_of_requests
 from infer.sampling import RowParams, SamplingParams, sample
 from infer.scheduler import Scheduler, Sequence
 
@@ -105,13 +105,7 @@ class PagedEngine(Engine):
   def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None
                ) -> list[Result]:
     """Results in prompt order; an invalid request in a batch gets finish_reason "error"."""
-    single = isinstance(prompts, str) or (len(prompts) > 0
-                                          and isinstance(prompts[0], (int, np.integer)))
-    prompts = [prompts] if single else list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-      params = [params or SamplingParams()] * len(prompts)
-    if len(params) != len(prompts):
-      raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    single, prompts, params = batch_of_requests(prompts, params)
     results: list[Result | None] = [None] * len(prompts)
     ids = {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
+from infer.engine import check_request
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
@@ -161,16 +162,7 @@ class SpeculativeDecoder:
 
   def check(self, prompt_ids, params: SamplingParams) -> None:
     """Raises ValueError naming the problem with a request."""
-    params.validate()
-    n, s = len(prompt_ids), self.max_seq_len
-    if n == 0:
-      raise ValueError("empty prompt: a request needs at least one prompt token")
-    if n + params.max_tokens > s:
-      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                       f"{n + params.max_tokens} exceeds max_seq_len={s}")
-    bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-    if bad:
-      raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+    check_request(prompt_ids, params, self.max_seq_len, self.vocab_size)
     if params.stop:
       raise ValueError("stop strings need text; SpeculativeDecoder works on token ids: use "
                        "stop_token_ids")
