@@ -12,9 +12,8 @@ new tokens (quick: 16), stopping at EOS, one request at a time.
 Methods, all on the same dequantized float32 target:
   plain          infer.Engine, batch 1: the production decoding path;
   no_draft       SpeculativeDecoder with a draft that never proposes: one target
-                 pass per token through the speculative code path (its greedy
-                 sampler skips the vocabulary sort Engine does), so that the
-                 gain of speculation itself is visible (speedup_vs_no_draft);
+                 pass per token through the speculative code path, so that
+                 the gain of speculation itself is visible (speedup_vs_no_draft);
   prompt_lookup  SpeculativeDecoder(PromptLookupDraft(max_ngram=3), gamma=4).
 Each method first runs the whole workload untimed (compilation), then timed,
 the methods interleaved per prompt so that load drift hits all alike. Outputs

@@ -20,7 +20,7 @@ import numpy as np
 
 @dataclasses.dataclass
 class BlockCounters:
-  prefix_queries: int = 0   # full prompt blocks looked up
+  prefix_queries: int = 0   # full prompt blocks looked up, over admitted requests
   prefix_hits: int = 0      # of which found in the cache
   allocated: int = 0        # blocks handed out from the free list
   evicted: int = 0          # cached blocks reused for other content
@@ -71,12 +71,10 @@ class BlockManager:
       return 0
     parent = b""
     for i in range((len(token_ids) - 1) // self.block_size):
-      self.counters.prefix_queries += 1
       h = self._hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
       block = self.cached.get(h)
       if block is None:
         break
-      self.counters.prefix_hits += 1
       if self.ref[block] == 0:
         del self.free[block]
       self.ref[block] += 1
@@ -85,6 +83,12 @@ class BlockManager:
       parent = h
     self._note_peak()
     return len(seq.blocks) * self.block_size
+
+  def count_prefix(self, token_ids: list[int], cached_tokens: int) -> None:
+    """Counts one admitted request's prefix lookup (failed admissions are retried, not counted)."""
+    if self.prefix_caching:
+      self.counters.prefix_queries += (len(token_ids) - 1) // self.block_size
+      self.counters.prefix_hits += cached_tokens // self.block_size
 
   def can_grow(self, seq: SeqBlocks, n_tokens: int) -> bool:
     return self.blocks_for(n_tokens) - len(seq.blocks) <= self.num_free

@@ -18,6 +18,7 @@ the pages in place.
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -116,7 +117,9 @@ def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY):
 
   scale = q_BTNH.shape[-1] ** -0.5  # the kernel does not scale the scores itself
   out_BNH = kernel((q_BTNH[:, 0] * scale).astype(k_KWZH.dtype), k_KWZH, v_KWZH, lengths_B,
-                   table_BY, pages_per_compute_block=min(table_BY.shape[1], 8))
+                   table_BY,
+                   # the kernel wants a width it divides; widths are powers of two or max_blocks
+                   pages_per_compute_block=math.gcd(table_BY.shape[1], 8))
   return out_BNH[:, None].astype(q_BTNH.dtype)
 
 

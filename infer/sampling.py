@@ -50,6 +50,10 @@ class SamplingParams:
 
   def validate(self) -> None:
     """Raises ValueError naming the parameter and its allowed range."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "seed"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"sampling parameter {name}={value!r} must be a number")
     checks = [
         ("max_tokens", isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens > 0,
          "a positive integer"),

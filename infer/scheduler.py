@@ -78,7 +78,8 @@ class Scheduler:
     self.counters = SchedulerCounters()
 
   def add(self, seq: Sequence) -> None:
-    need = self.blocks.blocks_for(len(seq.token_ids) + seq.request.params.max_tokens)
+    # The last sampled token is never written to the cache.
+    need = self.blocks.blocks_for(len(seq.token_ids) + seq.request.params.max_tokens - 1)
     if need > self.blocks.num_blocks:
       raise ValueError(f"request needs up to {need} KV blocks but the pool has "
                        f"{self.blocks.num_blocks}")
@@ -115,6 +116,7 @@ class Scheduler:
       if not self.blocks.can_grow(seq.blocks, cached + n):
         self.blocks.free_seq(seq.blocks)
         break
+      self.blocks.count_prefix(seq.token_ids, cached)
       self.blocks.grow(seq.blocks, cached + n)
       self.waiting.popleft()
       seq.num_computed = cached

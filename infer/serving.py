@@ -17,6 +17,7 @@ request's randomness depends on its seed and token index only, so batching,
 chunking and preemption change nothing but speed.
 """
 
+import collections
 import functools
 import time
 from typing import Iterator, Sequence as Seq
@@ -53,6 +54,8 @@ class PagedEngine(Engine):
                block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
                prefill_chunk: int = 256, prefix_caching: bool = True):
     super().__init__(model, tokenizer, max_seq_len, max_batch)
+    if not (isinstance(block_size, int) and block_size >= 1):
+      raise ValueError(f"block_size={block_size!r} must be a positive integer")
     self.block_size = block_size
     self.max_blocks = -(-self.max_seq_len // block_size)
     num_blocks = max_batch * self.max_blocks if num_blocks is None else num_blocks
@@ -62,17 +65,35 @@ class PagedEngine(Engine):
     self.page_bytes = paged.page_bytes(model.cfg, block_size)
     self._next_id = 0
     self.sequences: dict[int, Sequence] = {}
+    self._streams: dict[int, collections.deque] = {}
 
   # ---- driving it one step at a time ----
 
   def add_request(self, prompt, params: SamplingParams | None = None) -> int:
     """Queues a request; raises ValueError naming the limit it breaks. Returns its id."""
-    request = self._request(prompt, params or SamplingParams())
+    return self._queue(self._request(prompt, params or SamplingParams()))
+
+  def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Engine's checks, and that the pool can hold the request at its longest."""
+    super().check(prompt_ids, params)
+    need = self.blocks.blocks_for(len(prompt_ids) + params.max_tokens - 1)
+    if need > self.blocks.num_blocks:
+      raise ValueError(f"request needs up to {need} KV blocks but the pool has "
+                       f"{self.blocks.num_blocks}")
+
+  def _queue(self, request) -> int:
     seq = Sequence(self._next_id, request)
     self.scheduler.add(seq)
     self.sequences[seq.rid] = seq
     self._next_id += 1
     return seq.rid
+
+  def release(self, rid: int) -> Result:
+    """A finished request's Result; the engine forgets it (requests driven by `step` must be
+    released, or they stay in `sequences`)."""
+    if not self.sequences[rid].request.done:
+      raise ValueError(f"request {rid} has not finished")
+    return self.sequences.pop(rid).request.result()
 
   @property
   def has_work(self) -> bool:
@@ -87,6 +108,9 @@ class PagedEngine(Engine):
     for group, rows in ((prefills, _pow2(len(prefills))), (decodes, self.max_batch)):
       if group:
         events += self._run_group(group, rows)
+    for rid, token in events:
+      if rid in self._streams:
+        self._streams[rid].append(token)
     return events
 
   def counters(self) -> dict:
@@ -107,30 +131,45 @@ class PagedEngine(Engine):
     """Results in prompt order; an invalid request in a batch gets finish_reason "error"."""
     single, prompts, params = batch_of_requests(prompts, params)
     results: list[Result | None] = [None] * len(prompts)
-    ids = {}
+    valid = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-      try:
-        ids[self.add_request(prompt, p)] = i
+      try:  # every request is checked before any is queued
+        valid.append((i, self._request(prompt, p)))
       except ValueError as e:
         if single:
           raise
         results[i] = Result("", [], None, "error", error=str(e))
-    while self.has_work:
+    ids = {self._queue(request): i for i, request in valid}
+    while any(not self.sequences[rid].request.done for rid in ids):
       self.step()
     for rid, i in ids.items():
-      results[i] = self.sequences.pop(rid).request.result()
+      results[i] = self.release(rid)
     return results
 
   def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[Token]:
     """Tokens of one request as they come; other queued requests are served meanwhile."""
     rid = self.add_request(prompt, params)
+    queue = self._streams[rid] = collections.deque()
+
+    def forget():
+      self._streams.pop(rid, None)
+      if rid in self.sequences and self.sequences[rid].request.done:
+        del self.sequences[rid]
 
     def tokens():
-      while not self.sequences[rid].request.done:
-        for r, token in self.step():
-          if r == rid:
+      # Whoever runs a step (this stream, another, generate) queues this request's tokens here.
+      try:
+        while True:
+          while queue:
+            token = queue.popleft()
+            if token.finish_reason is not None:
+              forget()  # before the last yield: a caller need not resume us once more
             yield token
-      self.sequences.pop(rid)
+            if token.finish_reason is not None:
+              return
+          self.step()
+      finally:
+        forget()
 
     return tokens()
 

@@ -64,5 +64,10 @@ def test_decode_benchmark_quick_serving_rows_emit_json():
     side = serving[name]
     assert side["requests_per_s"] > 0 and side["ttft_s"]["p50"] <= side["ttft_s"]["p99"]
   assert serving["continuous"]["counters"]["finished"] == 16
-  assert 0 < memory["paged_peak_bytes"] <= memory["max_length_bytes"]
+  assert serving["continuous"]["prefix_caching"] is False
+  assert serving["continuous_prefix_cache"]["prefix_caching"] is True
+  # The small pool really is smaller, and serves the same tokens.
+  assert memory["small_pool"]["num_blocks"] < serving["continuous"]["num_blocks"]
+  assert memory["small_pool_bytes"] < 0.41 * memory["max_length_bytes"]
+  assert memory["small_pool_equal_output"] is True
   assert memory["target_saving"] == 0.5 and isinstance(memory["target_met"], bool)

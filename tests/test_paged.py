@@ -148,6 +148,9 @@ def test_streaming_serves_the_queue_too():
       [PROMPTS[0]], SamplingParams(max_tokens=5))[0].token_ids
   assert tokens[-1].finish_reason == "length"
   assert len(engine.sequences[other].request.token_ids) >= 5  # it ran alongside
+  while engine.has_work:
+    engine.step()
+  assert len(engine.release(other).token_ids) == 20 and not engine.sequences
 
 
 @pytest.mark.parametrize("prompt, params, message", [
@@ -178,3 +181,28 @@ def test_pool_layout_is_the_pallas_kernels():
   assert pool.k_LKWZH.shape == (2, 2, 5, 16, 8)  # [L, K, pages, page slots, H]
   assert paged.page_bytes(tiny_model().cfg, 16) == 2 * 2 * 2 * 16 * 8 * 4
   assert jax.tree.map(lambda a: a.dtype, pool.v_LKWZH) == jnp.float32
+
+
+def test_streams_get_their_tokens_whoever_runs_the_steps():
+  model = tiny_model()
+  engine = PagedEngine(model, CharTokenizer(), max_seq_len=64, max_batch=4)
+  expected = Engine(model, CharTokenizer(), max_seq_len=64).generate(
+      PROMPTS[:3], SamplingParams(max_tokens=6))
+  first, second = (engine.stream(p, SamplingParams(max_tokens=6)) for p in PROMPTS[:2])
+  pairs = list(zip(first, second))  # the two streams take turns running steps
+  assert [a.token_id for a, _ in pairs] == expected[0].token_ids
+  assert [b.token_id for _, b in pairs] == expected[1].token_ids
+  third = engine.stream(PROMPTS[2], SamplingParams(max_tokens=6))
+  engine.generate([PROMPTS[3]], SamplingParams(max_tokens=8))  # runs the stream's steps too
+  tokens = list(third)
+  assert [t.token_id for t in tokens] == expected[2].token_ids
+  assert tokens[-1].finish_reason == "length" and not engine.sequences
+
+
+def test_a_badly_typed_request_in_a_batch_leaves_nothing_queued():
+  engine = PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=2)
+  batch = engine.generate([PROMPTS[0], PROMPTS[1]],
+                          [SamplingParams(max_tokens=3), SamplingParams(temperature=None)])
+  assert batch[1].finish_reason == "error" and "temperature=None must be a number" in batch[1].error
+  assert len(batch[0].token_ids) == 3
+  assert not engine.has_work and not engine.sequences
