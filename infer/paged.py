@@ -17,13 +17,11 @@ the pages in place.
 """
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from models.attention import attention
 from models.config import ModelConfig
@@ -145,8 +143,3 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
       None if all_logits else jnp.maximum(n_B - 1, 0))
   return logits, PagePool(constrain(k_LKWZH, POOL_AXES), constrain(v_LKWZH, POOL_AXES))
 
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def forward_jit(graphdef, state, pool, tokens_BT, segment_ids_BT, start_B, table_BY):
-  """`forward` under jit with the pool donated, for callers holding a split model."""
-  return forward(nnx.merge(graphdef, state), pool, tokens_BT, segment_ids_BT, start_B, table_BY)

@@ -25,11 +25,8 @@ class Sequence:
     self.rid, self.request = rid, request
     self.blocks = SeqBlocks()
     self.num_computed = 0  # tokens whose keys and values are in the cache
-    self.arrival = time.perf_counter()
     self.first_token_time: float | None = None
     self.finish_time: float | None = None
-    self.preemptions = 0
-    self.cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
 
   @property
   def token_ids(self) -> list[int]:
@@ -120,7 +117,6 @@ class Scheduler:
       self.blocks.grow(seq.blocks, cached + n)
       self.waiting.popleft()
       seq.num_computed = cached
-      seq.cached_tokens += cached
       self.counters.cached_prompt_tokens += cached
       self.counters.admitted += 1
       self.running.append(seq)
@@ -151,7 +147,6 @@ class Scheduler:
     self.running.remove(seq)
     self.blocks.free_seq(seq.blocks)
     seq.num_computed = 0
-    seq.preemptions += 1
     self.waiting.appendleft(seq)
     self.counters.preemptions += 1
 
