@@ -20,6 +20,27 @@ def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float) -> nnx.Pa
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
+  """jnp.einsum(spec, x, w) computed in `dtype`.
+
+  A weight whose value is not an array but has its own `einsum` (a quantized
+  weight, infer/quant) computes the product itself, so quantizing a model
+  changes its parameters, never this code.
+  """
+  value = w[...]
+  if not isinstance(value, jax.Array):
+    return value.einsum(spec, x, dtype, **kwargs)
+  return jnp.einsum(spec, x, value.astype(dtype), **kwargs)
+
+
+def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
+  """Rows `ids` of w (an embedding lookup), in `dtype`; quantized weights dequantize just those."""
+  value = w[...]
+  if not isinstance(value, jax.Array):
+    return value.take(ids, dtype)
+  return jnp.take(value, ids, axis=0).astype(dtype)
+
+
 class RMSNorm(nnx.Module):
   """y = x / rms(x) * scale, computed in float32."""
 
@@ -86,9 +107,9 @@ class Attention(nnx.Module):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
     cfg = self.cfg
     dt = cfg.jnp_dtype
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dt))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dt))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dt))
+    q_BTNH = project("BTD,DNH->BTNH", x_BTD, self.wq_DNH, dt)
+    k_BTKH = project("BTD,DKH->BTKH", x_BTD, self.wk_DKH, dt)
+    v_BTKH = project("BTD,DKH->BTKH", x_BTD, self.wv_DKH, dt)
     q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta),
                        ("act_batch", "act_seq", "act_heads", None))
     k_BTKH = constrain(rope(k_BTKH, positions_BT, cfg.rope_theta),
@@ -98,7 +119,7 @@ class Attention(nnx.Module):
 
   def _out(self, out_BTNH):
     dt = self.cfg.jnp_dtype
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", out_BTNH, self.wo_NHD[...].astype(dt))
+    out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.wo_NHD, dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
 
@@ -114,8 +135,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD):
     dt = self.dtype
-    gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate_DF[...].astype(dt))
-    up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.up_DF[...].astype(dt))
+    gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_DF, dt)
+    up_BTF = project("BTD,DF->BTF", x_BTD, self.up_DF, dt)
     h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
-    out_BTD = jnp.einsum("BTF,FD->BTD", h_BTF, self.down_FD[...].astype(dt))
+    out_BTD = project("BTF,FD->BTD", h_BTF, self.down_FD, dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))

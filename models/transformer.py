@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import MLP, Attention, RMSNorm, _param
+from models.layers import MLP, Attention, RMSNorm, _param, lookup, project
 from models.moe import MoE
 from parallel import constrain, run_layers
 
@@ -114,7 +114,7 @@ class Transformer(nnx.Module):
     return self._logits(x_B1D)[:, 0], layers_cache
 
   def _embed(self, tokens_BT):
-    x_BTD = jnp.take(self.embed_VD[...], tokens_BT, axis=0).astype(self.cfg.jnp_dtype)
+    x_BTD = lookup(self.embed_VD, tokens_BT, self.cfg.jnp_dtype)
     return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
   def _logits(self, x_BTD):
@@ -122,11 +122,11 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     x_BTD = self.final_norm(x_BTD)
     if cfg.tie_embeddings:
-      w_DV = self.embed_VD[...].T
+      logits_BTV = project("BTD,VD->BTV", x_BTD, self.embed_VD, cfg.jnp_dtype,
+                           preferred_element_type=jnp.float32)
     else:
-      w_DV = self.unembed_DV[...]
-    logits_BTV = jnp.einsum("BTD,DV->BTV", x_BTD, w_DV.astype(cfg.jnp_dtype),
-                            preferred_element_type=jnp.float32)
+      logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype,
+                           preferred_element_type=jnp.float32)
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
 

@@ -1,0 +1,115 @@
+"""Weight formats: INT8 per output channel, INT4 in groups along the contraction axis.
+
+A weight is viewed as a matrix w_KM: K the contraction (input) size, M the
+output size. Groups of `group` consecutive rows of K share one scale per output
+column (INT8 default: one group spanning all of K, i.e. per output channel).
+
+  symmetric   w ≈ scale · q,            q ∈ [-qmax, qmax] (INT8) or [-8, 7] (INT4)
+  asymmetric  w ≈ scale · u + offset,   u ∈ [0, 2^bits - 1]  (offset = group min)
+
+INT4 is stored as unsigned nibbles u (symmetric: q = u - 8, the GGUF Q4_0
+convention) packed two per byte. Within each group, byte j holds row j in its
+low nibble and row j + group/2 in its high nibble: the GGUF Q4 block layout,
+which also lets the matmul use the two nibble planes as two dense halves.
+"""
+
+import dataclasses
+import re
+
+import numpy as np
+
+_NAME = re.compile(r"^int(8|4)(?:-g(\d+))?(-asym)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+  bits: int                 # 8 or 4
+  group: int | None = None  # rows of K per scale; None: all of K (per output channel)
+  symmetric: bool = True
+
+  def __post_init__(self):
+    if self.bits not in (4, 8):
+      raise ValueError(f"quantization bits={self.bits}: only 8 and 4 are supported")
+    if self.group is not None and (self.group < 2 or self.group % 2):
+      raise ValueError(f"group size {self.group} must be an even number >= 2")
+    if self.bits == 4 and self.group is None:
+      raise ValueError("INT4 needs a group size, e.g. int4-g128")
+
+  @property
+  def name(self) -> str:
+    g = f"-g{self.group}" if self.group else ""
+    return f"int{self.bits}{g}{'' if self.symmetric else '-asym'}"
+
+  @property
+  def levels(self) -> int:
+    return 1 << self.bits
+
+  def group_for(self, k: int) -> int:
+    return self.group or k
+
+  def max_error(self, scale):
+    """Largest |w - dequant(quant(w))| round-to-nearest allows, per group: half a step."""
+    return 0.5 * scale
+
+
+def parse_format(name: str) -> QuantFormat:
+  """'int8', 'int8-asym', 'int4-g128', 'int4-g32-asym', ... -> QuantFormat."""
+  m = _NAME.match(str(name))
+  if not m:
+    raise ValueError(f"unknown quantization format {name!r}; use int8[-gN][-asym] or "
+                     "int4-gN[-asym], e.g. int8, int4-g128, int4-g32-asym")
+  bits, group, asym = int(m.group(1)), m.group(2), bool(m.group(3))
+  return QuantFormat(bits, int(group) if group else None, not asym)
+
+
+def check_group(fmt: QuantFormat, k: int, where: str) -> int:
+  """The group size for a contraction of k rows; refuses one that does not divide k."""
+  g = fmt.group_for(k)
+  if k % g:
+    raise ValueError(f"{where}: group size {g} ({fmt.name}) does not divide the contraction "
+                     f"dimension {k}; pick a group that divides {k}")
+  return g
+
+
+def scales_for(w_GgM: np.ndarray, fmt: QuantFormat):
+  """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1)."""
+  if fmt.symmetric:
+    # INT4 codes span [-8, 7]; absmax at 7.5 steps uses them all and still rounds within half a step.
+    qmax = 127 if fmt.bits == 8 else 7.5
+    scale = np.abs(w_GgM).max(axis=1) / qmax
+    return np.where(scale == 0, 1.0, scale).astype(np.float32), None
+  lo, hi = w_GgM.min(axis=1), w_GgM.max(axis=1)
+  scale = (hi - lo) / (fmt.levels - 1)
+  return np.where(scale == 0, 1.0, scale).astype(np.float32), lo.astype(np.float32)
+
+
+def quantize_values(w, scale, offset, fmt: QuantFormat):
+  """Integer codes of w given its group's scale/offset (broadcasting): int8 q or uint8 u."""
+  if fmt.symmetric:
+    lo, hi = (-127, 127) if fmt.bits == 8 else (-8, 7)
+    q = np.clip(np.rint(w / scale), lo, hi)
+    return (q + 8).astype(np.uint8) if fmt.bits == 4 else q.astype(np.int8)
+  u = np.clip(np.rint((w - offset) / scale), 0, fmt.levels - 1)
+  return u.astype(np.uint8)
+
+
+def dequantize_values(codes, scale, offset, fmt: QuantFormat, xp=np):
+  """Float values of integer codes (numpy or jax.numpy through `xp`)."""
+  c = codes.astype(xp.float32)
+  if fmt.symmetric:
+    return (c - 8.0) * scale if fmt.bits == 4 else c * scale
+  return c * scale + offset
+
+
+def pack_int4(u_GgM):
+  """Nibbles [G, g, M] (values 0..15) -> bytes [G, g/2, M]: low = rows :g/2, high = rows g/2:."""
+  u = np.asarray(u_GgM, np.uint8)
+  if u.max(initial=0) > 15:
+    raise ValueError("pack_int4 takes values in [0, 15]")
+  half = u.shape[1] // 2
+  return (u[:, :half] | (u[:, half:] << 4)).astype(np.uint8)
+
+
+def unpack_int4(p_GhM, xp=np):
+  """Bytes [G, g/2, M] -> nibbles [G, g, M] in row order (the inverse of pack_int4)."""
+  return xp.concatenate([p_GhM & 15, p_GhM >> 4], axis=1)

@@ -1,0 +1,158 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight row by row, pushing each row's error onto
+the rows not yet quantized through the inverse Hessian of the layer's inputs.
+
+For a projection y = x·w_KM, the output error over calibration inputs X is
+tr((ŵ - w)ᵀ H (ŵ - w)) with H = 2 XᵀX / n. Rows of w_KM are the paper's
+"columns" (input features). Blocks of rows get lazy batch updates; each group's
+scale is fixed from the error-updated rows when the loop reaches the group.
+
+`gptq_quantize` runs it block by block through the model: the inputs of block
+i's projections come from blocks 0..i-1 already quantized (the paper's
+sequential order), captured by handing `models.layers.project` a recording
+weight. The model's own Block code runs; nothing here copies it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer.quant.formats import QuantFormat, dequantize_values, quantize_values, scales_for
+from infer.quant.qarray import to_matrix
+from infer.quant.quantize import decode, quantize_model
+from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
+
+
+def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 0.01,
+         block: int = 128):
+  """(codes_GgM, scale_GM, offset_GM) minimising the H-weighted output error of w_KM."""
+  k, m = w_KM.shape
+  g = fmt.group_for(k)
+  if k % g:
+    raise ValueError(f"group {g} does not divide the contraction dimension {k}")
+  w = np.array(w_KM, np.float64)
+  h = np.array(h_KK, np.float64)
+  dead = np.diag(h) == 0
+  h[dead, dead] = 1.0   # inputs never seen: any value is exact, so quantize them freely
+  w[dead] = 0.0
+  h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+  u = np.linalg.cholesky(np.linalg.inv(h)).T   # upper factor: H⁻¹ = uᵀu
+  block = g * max(1, block // g)
+  codes = np.zeros((k, m), np.uint8 if fmt.bits == 4 or not fmt.symmetric else np.int8)
+  scales, offsets = np.zeros((k // g, m), np.float32), np.zeros((k // g, m), np.float32)
+  for i1 in range(0, k, block):
+    i2 = min(i1 + block, k)
+    w1, u1 = w[i1:i2].copy(), u[i1:i2, i1:i2]
+    err1 = np.zeros_like(w1)
+    for i in range(i2 - i1):
+      r = i1 + i
+      if r % g == 0:
+        s, o = scales_for(w1[i:i + g][None].astype(np.float32), fmt)
+        scale, offset = s[0].astype(np.float64), None if o is None else o[0].astype(np.float64)
+        scales[r // g] = scale
+        if offset is not None:
+          offsets[r // g] = offset
+      c = quantize_values(w1[i], scale, offset, fmt)
+      codes[r] = c
+      err = (w1[i] - dequantize_values(c, scale, offset, fmt)) / u1[i, i]
+      w1[i:] -= np.outer(u1[i, i:], err)
+      err1[i] = err
+    w[i2:] -= u[i1:i2, i2:].T @ err1
+  return (codes.reshape(k // g, g, m), scales, None if fmt.symmetric else offsets)
+
+
+class _Recorder:
+  """Stands in for a float weight during calibration: accumulates 2·xᵀx of its inputs."""
+
+  def __init__(self, value, sink: dict, key: str):
+    self.value, self.sink, self.key = value, sink, key
+
+  def __getitem__(self, index):
+    return self
+
+  def einsum(self, spec, x, dtype, **kwargs):
+    memo = self.sink.get("_memo")
+    if memo is not None and memo[0] is x:   # q/k/v (and gate/up) share their input
+      h_KK = memo[1]
+    else:
+      x_NK = jnp.reshape(x, (-1, _matrix_k(self.key, self.value.shape))).astype(jnp.float32)
+      h_KK = np.asarray(2.0 * (x_NK.T @ x_NK), np.float64)
+      self.sink["_memo"] = (x, h_KK)
+    h, n = self.sink.get(self.key, (0.0, 0))
+    self.sink[self.key] = (h + h_KK, n + x.size // h_KK.shape[0])
+    return jnp.einsum(spec, x, self.value.astype(dtype), **kwargs)
+
+
+def _matrix_k(path: str, shape) -> int:
+  letters = letters_of(path)
+  return int(np.prod([shape[letters.index(c)] for c in CONTRACTS[path.rsplit("/", 1)[-1]]]))
+
+
+def _hessians(module, paths, run) -> dict:
+  """{path: H_KK} of the inputs each named weight of `module` sees while `run(module)` runs."""
+  variables, sink = params_by_path(module), {}
+  originals = {p: variables[p][...] for p in paths}
+  for p, value in originals.items():
+    variables[p].set_value(_Recorder(value, sink, p))
+  try:
+    run(module)
+  finally:
+    for p, value in originals.items():
+      variables[p].set_value(value)
+  sink.pop("_memo", None)
+  return {p: h / n for p, (h, n) in sink.items()}
+
+
+def _solve(module, path, key, fmt, h_KK, damp):
+  """GPTQ for one weight of `module`; leaves its dequantized values in place and returns
+  (codes, scale, offset)."""
+  var = params_by_path(module)[path]
+  w = np.asarray(var[...], np.float32)
+  letters, in_letters = letters_of(key), CONTRACTS[key.rsplit("/", 1)[-1]]
+  out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, damp=damp)
+  order = in_letters + "".join(c for c in letters if c not in in_letters)
+  w_KM = decode(*out, fmt).reshape([w.shape[letters.index(c)] for c in order])
+  var.set_value(jnp.asarray(np.transpose(w_KM, [order.index(c) for c in letters])))
+  return out
+
+
+def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp: float = 0.01,
+                  batch: int = 16) -> dict:
+  """Quantizes `model` in place, GPTQ for every projection the rules select; returns the plan.
+
+  `calib_ids_NT` are token ids of real text. The input embedding is quantized
+  by round-to-nearest (a lookup has no inputs to calibrate on); a tied
+  embedding too, since GPTQ's error feedback, tuned for the logits, would
+  distort the lookup table it also is. An untied LM head gets GPTQ.
+  """
+  plan = quant_plan(model, rules, fit_groups=fit_groups)
+  if "embed_VD" in plan:
+    quantize_model(model, [("^embed_VD$", plan["embed_VD"].name)])
+  ids = np.asarray(calib_ids_NT, np.int32)
+  if ids.ndim != 2 or ids.size == 0:
+    raise ValueError(f"calibration ids must be a non-empty [N, T] array, got shape {ids.shape}")
+  pos, segs = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones(ids.shape, jnp.int32)
+  chunks = [slice(i, i + batch) for i in range(0, len(ids), batch)]
+  xs = [model._embed(jnp.asarray(ids[c])) for c in chunks]
+
+  def run_block(block):
+    return [block(x, pos[c], segs[c])[0] for x, c in zip(xs, chunks)]
+
+  results = {}
+  graphdef, state = nnx.split(model.blocks)
+  layer_plan = {p[len("blocks/"):]: f for p, f in plan.items() if p.startswith("blocks/")}
+  for layer in range(model.cfg.num_layers):
+    block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
+    hessians = _hessians(block, layer_plan, run_block)
+    for p, fmt in layer_plan.items():
+      results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp)
+    xs = run_block(block)   # the next block sees this one's quantization error
+  if "unembed_DV" in plan:
+    h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]
+    results[("unembed_DV", None)] = _solve(model, "unembed_DV", "unembed_DV",
+                                           plan["unembed_DV"], h, damp)
+
+  rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]
+  if rest:
+    quantize_model(model, rest, method=lambda path, layer, w_KM, fmt: results[(path, layer)])
+  return plan

@@ -1,0 +1,92 @@
+"""Round-to-nearest quantization, and replacing a model's float weights by QArrays.
+
+`encode(w_KM, fmt)` is the reference quantizer (the RTN baseline); calibrated
+methods (infer/quant/gptq.py) produce their own codes and scales and reuse
+`to_qarray` for the storage layout.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from infer.quant.formats import (QuantFormat, check_group, dequantize_values, pack_int4,
+                                 quantize_values, scales_for)
+from infer.quant.qarray import QArray, to_matrix
+from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
+
+
+def encode(w_KM: np.ndarray, fmt: QuantFormat, where: str = "weight"):
+  """Round-to-nearest: (codes_GgM, scale_GM, offset_GM or None), codes unpacked."""
+  k, m = w_KM.shape
+  g = check_group(fmt, k, where)
+  w_GgM = np.asarray(w_KM, np.float32).reshape(k // g, g, m)
+  scale, offset = scales_for(w_GgM, fmt)
+  codes = quantize_values(w_GgM, scale[:, None], None if offset is None else offset[:, None], fmt)
+  return codes, scale, offset
+
+
+def decode(codes_GgM, scale_GM, offset_GM, fmt: QuantFormat) -> np.ndarray:
+  """w_KM from unpacked codes: the inverse of encode up to rounding."""
+  off = None if offset_GM is None else offset_GM[:, None]
+  w = dequantize_values(codes_GgM, scale_GM[:, None], off, fmt)
+  return w.reshape(-1, w.shape[-1])
+
+
+def to_qarray(parts, fmt: QuantFormat, letters: str, in_letters: str, dims) -> QArray:
+  """A QArray from per-layer (codes_GgM, scale_GM, offset_GM) triples, stacked on a lead axis
+  when `parts` is a list (one per layer), unstacked when it is one triple."""
+  stacked = isinstance(parts, list)
+  parts = parts if stacked else [parts]
+  pack = pack_int4 if fmt.bits == 4 else (lambda c: c)
+  codes = np.stack([pack(c) for c, _, _ in parts])
+  scale = np.stack([s for _, s, _ in parts]).astype(np.float32)
+  offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts]).astype(np.float32)
+  if not stacked:
+    codes, scale, offset = codes[0], scale[0], None if offset is None else offset[0]
+  return QArray(jnp.asarray(codes), jnp.asarray(scale),
+                None if offset is None else jnp.asarray(offset), fmt, letters, in_letters,
+                tuple(int(d) for d in dims))
+
+
+def layer_matrices(path: str, value) -> tuple[list[np.ndarray] | np.ndarray, tuple, bool]:
+  """(w_KM per layer, or one w_KM; the parameter dims; stacked?) of a float parameter."""
+  letters = letters_of(path)
+  in_letters = CONTRACTS[path.rsplit("/", 1)[-1]]
+  w = np.asarray(value, np.float32)
+  dims = w.shape[w.ndim - len(letters):]
+  if w.ndim == len(letters):
+    return to_matrix(w, letters, in_letters), dims, False
+  lead = w.reshape((-1,) + dims)
+  return [to_matrix(x, letters, in_letters) for x in lead], dims, True
+
+
+def quantize_model(model, rules, *, fit_groups: bool = False, method=None) -> dict:
+  """Replaces the weights the rules select by QArrays, in place; returns {path: format}.
+
+  `method(path, layer_index, w_KM, fmt) -> (codes_GgM, scale_GM, offset_GM)`
+  chooses the codes; the default is round-to-nearest (`encode`).
+  """
+  plan = quant_plan(model, rules, fit_groups=fit_groups)
+  params = params_by_path(model)
+  for path, fmt in plan.items():
+    var = params[path]
+    mats, dims, stacked = layer_matrices(path, var[...])
+    letters, in_letters = letters_of(path), CONTRACTS[path.rsplit("/", 1)[-1]]
+
+    def one(i, w_KM, path=path, fmt=fmt):
+      if method is None:
+        return encode(w_KM, fmt, path)
+      return method(path, i, w_KM, fmt)
+
+    parts = [one(i, w) for i, w in enumerate(mats)] if stacked else one(None, mats)
+    var.set_value(to_qarray(parts, fmt, letters, in_letters, dims))
+  return plan
+
+
+def weight_bytes(model) -> int:
+  """Bytes of every parameter as stored: QArrays count codes, scales and offsets."""
+  from flax import nnx
+  total = 0
+  for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    value = var[...]
+    total += value.nbytes if isinstance(value, QArray) else value.size * value.dtype.itemsize
+  return int(total)

@@ -1,0 +1,148 @@
+"""Quantization formats, QArray matmuls, rules and GPTQ (infer/quant/)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from infer.quant import QArray, default_rules, parse_format, quant_plan, quantize_model
+from infer.quant.formats import pack_int4, unpack_int4
+from infer.quant.gptq import gptq
+from infer.quant.quantize import decode, encode, to_qarray
+from infer.quant.rules import params_by_path
+from models.config import ModelConfig
+from models.transformer import Transformer
+
+FORMATS = ["int8", "int8-asym", "int8-g32", "int4-g32", "int4-g64", "int4-g128", "int4-g32-asym",
+           "int4-g128-asym"]
+CFG = ModelConfig(vocab_size=256, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=32, mlp_dim=256, tie_embeddings=True)
+
+
+def _weights(k=256, m=96, seed=0):
+  rng = np.random.default_rng(seed)
+  # Heavy-ish tails and a few outliers, as real weights have.
+  w = rng.standard_t(4, (k, m)).astype(np.float32) * 0.02
+  w[rng.integers(0, k, 8), rng.integers(0, m, 8)] *= 20
+  return w
+
+
+def test_pack_unpack_round_trips_exactly():
+  rng = np.random.default_rng(0)
+  u = rng.integers(0, 16, (5, 32, 7)).astype(np.uint8)
+  packed = pack_int4(u)
+  assert packed.shape == (5, 16, 7) and packed.dtype == np.uint8
+  np.testing.assert_array_equal(unpack_int4(packed), u)
+  np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(packed), jnp)), u)
+  with pytest.raises(ValueError, match="0, 15"):
+    pack_int4(u + 16)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_round_to_nearest_error_within_half_a_step(name):
+  fmt = parse_format(name)
+  w = _weights()
+  codes, scale, offset = encode(w, fmt)
+  err = np.abs(decode(codes, scale, offset, fmt) - w)
+  g = fmt.group_for(w.shape[0])
+  step = np.repeat(scale, g, axis=0)
+  # Half a quantization step, plus float32 rounding of w/scale and back (a few ulps of |w|).
+  bound = 0.5 * step + 4 * np.finfo(np.float32).eps * np.abs(w)
+  assert (err <= bound).all(), float((err - bound).max())
+  levels = 256 if fmt.bits == 8 else 16
+  assert len(np.unique(codes)) <= levels
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantized_matmul_equals_dequantize_then_matmul(name):
+  fmt = parse_format(name)
+  rng = np.random.default_rng(1)
+  w_DNH = _weights(128, 4 * 32).reshape(128, 4, 32)
+  q = to_qarray(encode(w_DNH.reshape(128, -1), fmt), fmt, "DNH", "D", w_DNH.shape)
+  x_BTD = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)
+  dense = q.dequantize()
+  assert dense.shape == w_DNH.shape
+  want = jnp.einsum("BTD,DNH->BTNH", x_BTD, dense)
+  got = q.einsum("BTD,DNH->BTNH", x_BTD, jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # Contracting two letters (the attention output projection) and a row lookup (embeddings).
+  w_NHD = _weights(4 * 32, 128, seed=2).reshape(4, 32, 128)
+  q = to_qarray(encode(w_NHD.reshape(-1, 128), fmt), fmt, "NHD", "NH", w_NHD.shape)
+  x_BTNH = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), jnp.float32)
+  np.testing.assert_allclose(q.einsum("BTNH,NHD->BTD", x_BTNH, jnp.float32),
+                             jnp.einsum("BTNH,NHD->BTD", x_BTNH, q.dequantize()),
+                             rtol=1e-5, atol=1e-5)
+  w_VD = _weights(128, 50, seed=3).T
+  q = to_qarray(encode(w_VD.T, fmt), fmt, "VD", "D", w_VD.shape)
+  ids = jnp.asarray([[0, 49, 7], [7, 3, 1]])
+  np.testing.assert_array_equal(q.take(ids, jnp.float32), jnp.take(q.dequantize(), ids, axis=0))
+  x_BTD = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)
+  np.testing.assert_allclose(q.einsum("BTD,VD->BTV", x_BTD, jnp.float32),
+                             jnp.einsum("BTD,VD->BTV", x_BTD, q.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_model_matches_its_dequantized_weights():
+  tokens = jnp.arange(24).reshape(2, 12) % CFG.vocab_size
+  model = Transformer(CFG, nnx.Rngs(0))
+  float_bytes = sum(v[...].nbytes for v in params_by_path(model).values())
+  plan = quantize_model(model, default_rules("int4-g32"))
+  assert set(plan) == {"embed_VD", "blocks/attn/wq_DNH", "blocks/attn/wk_DKH",
+                       "blocks/attn/wv_DKH", "blocks/attn/wo_NHD", "blocks/mlp/gate_DF",
+                       "blocks/mlp/up_DF", "blocks/mlp/down_FD"}
+  twin = Transformer(CFG, nnx.Rngs(0))
+  twin_params = params_by_path(twin)
+  for path, var in params_by_path(model).items():
+    if isinstance(var[...], QArray):
+      assert var[...].codes.dtype == jnp.uint8 and var[...].codes.shape[0] == (
+          CFG.num_layers if path.startswith("blocks/") else var[...].codes.shape[0])
+      twin_params[path].set_value(var[...].dequantize())
+  np.testing.assert_allclose(model(tokens), twin(tokens), rtol=1e-5, atol=1e-5)
+  from infer.quant import weight_bytes
+  # int4-g32 with float32 scales: 4 + 32/32 = 5 bits a weight; norms stay float.
+  assert weight_bytes(model) < 0.17 * float_bytes
+
+
+def test_bad_group_and_format_are_refused_naming_the_layer():
+  model = Transformer(CFG, nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"blocks/mlp/down_FD.*group size 96.*256"):
+    quant_plan(model, [("down_FD", "int4-g96")])
+  with pytest.raises(ValueError, match="unknown quantization format 'int3-g64'"):
+    quant_plan(model, [(".*", "int3-g64")])
+  with pytest.raises(ValueError, match="INT4 needs a group size"):
+    parse_format("int4")
+  with pytest.raises(ValueError, match="match no quantizable parameter"):
+    quant_plan(model, [("attn_norm", "int8")])
+  # fit_groups halves a group until it divides, and says so in the plan.
+  plan = quant_plan(model, [("down_FD", "int4-g512")], fit_groups=True)
+  assert plan["blocks/mlp/down_FD"].name == "int4-g256"
+  quantize_model(model, [("wq_DNH", "int8")])
+  with pytest.raises(ValueError, match="wq_DNH is already quantized"):
+    quant_plan(model, [("wq_DNH", "int8")])
+  with pytest.raises(TypeError, match="only w"):
+    params_by_path(model)["blocks/attn/wq_DNH"][...][0]
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8"])
+def test_gptq_beats_round_to_nearest_on_correlated_inputs(name):
+  fmt = parse_format(name)
+  rng = np.random.default_rng(0)
+  x_NK = rng.standard_normal((2048, 128)) @ rng.standard_normal((128, 128)) * 0.3
+  w = _weights(128, 64)
+  h = 2 * x_NK.T @ x_NK / len(x_NK)
+  rtn = np.linalg.norm(x_NK @ (decode(*encode(w, fmt), fmt) - w))
+  codes, scale, offset = gptq(w, h, fmt)
+  got = np.linalg.norm(x_NK @ (decode(codes, scale, offset, fmt) - w))
+  assert got < 0.9 * rtn, (got, rtn)
+
+
+def test_large_weights_multiply_in_column_slices(monkeypatch):
+  import infer.quant.qarray as qarray
+  fmt = parse_format("int4-g32-asym")
+  w_VD = _weights(64, 96, seed=4).T
+  q = to_qarray(encode(w_VD.T, fmt), fmt, "VD", "D", w_VD.shape)
+  x_BTD = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 64)), jnp.float32)
+  whole = q.einsum("BTD,VD->BTV", x_BTD, jnp.float32)
+  monkeypatch.setattr(qarray, "CHUNK_ELEMENTS", 64 * 96 // 5)
+  assert qarray._chunks(64, 96) == 6  # the first count >= 5 that divides 96
+  np.testing.assert_allclose(q.einsum("BTD,VD->BTV", x_BTD, jnp.float32), whole,
+                             rtol=1e-6, atol=1e-6)
