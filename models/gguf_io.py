@@ -88,15 +88,20 @@ class GGUFTensors:
   def names(self) -> list[str]:
     return list(self.tensors)
 
+  def rope_heads(self, name: str) -> int | None:
+    """Heads whose rows llama.cpp permuted for RoPE (Q and K projections), else None."""
+    if name.endswith("q_proj.weight"):
+      return self.cfg.num_heads
+    if name.endswith("k_proj.weight"):
+      return self.cfg.num_kv_heads
+    return None
+
   def read(self, name: str) -> np.ndarray:
     t = self.tensors[name]
     shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims fastest-first
     w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
-    if name.endswith("q_proj.weight"):
-      w = unpermute_rope(w, self.cfg.num_heads)
-    elif name.endswith("k_proj.weight"):
-      w = unpermute_rope(w, self.cfg.num_kv_heads)
-    return w
+    heads = self.rope_heads(name)
+    return w if heads is None else unpermute_rope(w, heads)
 
 
 def check_tensor_types(reader: GGUFReader, path: str) -> None:

@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models import hf_io
@@ -19,15 +20,22 @@ from models.transformer import Transformer, abstract_model
 GGUF_MAGIC = b"GGUF"
 
 
-def build_model(cfg: ModelConfig, read, names, mesh=None) -> Transformer:
+def build_model(cfg: ModelConfig, read, names, mesh=None, ready=None) -> Transformer:
   """Fills an abstract model from tensors under Hugging Face names (see hf_io.params_from_hf).
 
   With `mesh`, each array is placed straight into its sharding from the params'
   logical axis names, so no single device ever holds the whole model.
+  `ready(abstract_params) -> ({path: value}, tensor names used)` supplies some
+  parameters whole (GGUF weights kept quantized); the rest are read as usual.
   """
   model = abstract_model(cfg)
   state = nnx.state(model, nnx.Param)
-  params = hf_io.params_from_hf(cfg, state, read, names)
+  done, used = ready(state) if ready is not None else ({}, set())
+  if done and mesh is not None:
+    raise ValueError("quantized weights cannot be placed on a mesh yet; load without mesh=")
+  rest = nnx.filter_state(state, lambda path, _: tuple(path) not in done) if done else state
+  params = hf_io.params_from_hf(cfg, rest, read, [n for n in names if n not in used])
+  params.update(done)
   shardings = None
   if mesh is not None:
     from parallel import logical_shardings  # only needed when sharding
@@ -37,6 +45,8 @@ def build_model(cfg: ModelConfig, read, names, mesh=None) -> Transformer:
   def place(path, _):
     keys = tuple(k.key for k in path)
     arr = params.pop(keys)  # drop host copies as we go
+    if not isinstance(arr, np.ndarray):
+      return arr  # supplied whole by `ready`, already on device
     if shardings is None:
       return jnp.asarray(arr)
     sharding = shardings
@@ -69,24 +79,37 @@ def _load_hf_dir(directory: str, mesh=None, **dtypes):
 
 
 def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
-                    mesh=None) -> tuple[Transformer, Tokenizer | None]:
+                    mesh=None, quantized: bool = False) -> tuple[Transformer, Tokenizer | None]:
   """Loads a Llama/Mixtral checkpoint: an HF directory (config.json + safetensors) or a .gguf.
 
   dtype (compute) / param_dtype (storage), each 'float32', 'bfloat16' or 'float16',
   override the defaults: an HF checkpoint keeps its stored dtype for both, a GGUF is
   dequantized to float32.
+  quantized=True (GGUF only) keeps Q4_0/Q4_1/Q8_0 tensors as they are stored, as
+  infer.quant QArrays (int4-g32, int4-g32-asym, int8-g32) with the same values;
+  F32/F16/BF16 tensors still load as float (models/gguf_quant.py).
   The tokenizer is None only for an HF directory without tokenizer.json.
   """
   path = os.fspath(path)
   if not os.path.exists(path):
     raise FileNotFoundError(f"checkpoint path {path!r} does not exist")
   dtypes = dict(dtype=dtype, param_dtype=param_dtype)
+  gguf = not os.path.isdir(path) and _is_gguf(path)
+  if quantized and not gguf:
+    raise ValueError(f"quantized=True keeps a GGUF file's quantized tensors; {path!r} is not a "
+                     ".gguf file (quantize a float model with infer.quant.quantize_model)")
+  if quantized and mesh is not None:
+    raise ValueError("quantized=True cannot place weights on a mesh yet; load without mesh=")
   if os.path.isdir(path):
     return _load_hf_dir(path, mesh, **dtypes)
-  if _is_gguf(path):
+  if gguf:
     from models import gguf_io  # keeps the gguf package optional for HF-only users
-    cfg, tensors, tokenizer = gguf_io.read_gguf(path, **dtypes)
-    return build_model(cfg, tensors.read, tensors.names, mesh), tokenizer
+    cfg, tensors, tokenizer = gguf_io.read_gguf(path, **dtypes)  # refuses unsupported types
+    ready = None
+    if quantized:
+      from models import gguf_quant
+      ready = lambda state: gguf_quant.quantized_params(tensors, state)  # noqa: E731
+    return build_model(cfg, tensors.read, tensors.names, mesh, ready), tokenizer
   raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file "
                    "(for safetensors, pass the directory holding config.json)")
 
