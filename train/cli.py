@@ -5,6 +5,8 @@
                   [--temperature T] [--top_k K] [--top_p P] [--min_p P]
                   [--repetition_penalty R] [--seed S]
   meshlm plan --config experiments/NAME.py --devices N [--mesh data=..,fsdp=..] [--budget_gb X] [--compile]
+  meshlm quantize --model PATH --format int4-g128 [--method gptq|rtn] [--calib DATA] --out DIR
+                  (infer/quant/cli.py)
 """
 
 import os
@@ -13,7 +15,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-COMMANDS = ("train", "generate", "plan")
+COMMANDS = ("train", "generate", "plan", "quantize")
 
 
 def _parse(argv: list[str]):
@@ -31,7 +33,8 @@ def _parse(argv: list[str]):
                          flag_values=fv)
     flags.DEFINE_integer("process_id", None, "this process's id (multi-process)", flag_values=fv)
   else:
-    flags.DEFINE_string("model", None, "HF directory, .gguf file or meshlm workdir", flag_values=fv)
+    flags.DEFINE_string("model", None, "HF directory, .gguf file, meshlm workdir or quantized "
+                        "checkpoint (meshlm quantize)", flag_values=fv)
     flags.DEFINE_string("prompt", None, "prompt text", flag_values=fv)
     flags.DEFINE_integer("max_new_tokens", 64, "tokens to generate", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "0 = greedy", flag_values=fv)
@@ -94,11 +97,15 @@ def run_train(fv) -> None:
       print("--- sample ---\n" + config.sample.prompt + tokenizer.decode(ids))
 
 
-def load_any(path: str):
-  """(model, tokenizer) from a meshlm workdir, an HF directory or a .gguf file."""
+def load_any(path: str, command: str = "generate"):
+  """(model, tokenizer) from a meshlm workdir, a quantized checkpoint (`meshlm quantize`),
+  an HF directory or a .gguf file."""
   from train.workdir import is_workdir, load_trained
   if not os.path.exists(path):
-    raise SystemExit(f"meshlm generate: model path {path} does not exist")
+    raise SystemExit(f"meshlm {command}: model path {path} does not exist")
+  from infer.quant.checkpoint import is_quantized_dir, load_quantized
+  if is_quantized_dir(path):
+    return load_quantized(path)
   if is_workdir(path):
     model, tokenizer, _ = load_trained(path)
     return model, tokenizer
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
   if argv[0] == "plan":
     from parallel.plan_cli import main as plan_main
     return plan_main(argv[1:])
+  if argv[0] == "quantize":
+    from infer.quant.cli import main as quantize_main
+    return quantize_main(argv[1:])
   fv = _parse(argv)
   try:
     (run_train if argv[0] == "train" else run_generate)(fv)
