@@ -8,7 +8,9 @@
 A batch of up to `max_batch` requests runs together: one jitted prefill over
 the right-padded prompts (length bucketed to a power of two, at least 16),
 then one jitted decode step per token for the whole batch, the cache of
-`max_seq_len` slots per row donated from step to step (infer/kv_cache.py).
+`max_seq_len` slots per row donated from step to step (infer/kv_cache.py;
+`kv_dtype="int8"` stores it as int8 with per-token scales, about 1/4 of the
+float32 bytes).
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
@@ -99,10 +101,10 @@ class _Request:
                   self.finish_reason, prompt_tokens=len(self.prompt_ids))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
+def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
   model = nnx.merge(graphdef, state)
-  cache = kv_cache.init(model.cfg, tokens_BT.shape[0], max_len)
+  cache = kv_cache.init(model.cfg, tokens_BT.shape[0], max_len, kv_dtype)
   logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT, cache)
   seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), tokens_BT, segment_ids_BT > 0)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros(tokens_BT.shape[:1], jnp.int32))
@@ -151,7 +153,9 @@ def batch_of_requests(prompts, params):
 class Engine:
   """KV-cached generation for a model and its tokenizer; see the module docstring."""
 
-  def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8):
+  def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
+               kv_dtype: str | None = None):
+    kv_cache.check_kv_dtype(kv_dtype)
     limit = model.cfg.max_seq_len
     max_seq_len = limit if max_seq_len is None else max_seq_len
     if not 0 < max_seq_len <= limit:
@@ -161,7 +165,9 @@ class Engine:
       raise ValueError(f"Engine max_batch={max_batch} must be >= 1")
     self.tokenizer = tokenizer
     self.vocab_size = model.cfg.vocab_size
-    self.max_seq_len, self.max_batch = max_seq_len, max_batch
+    self.max_seq_len, self.max_batch, self.kv_dtype = max_seq_len, max_batch, kv_dtype
+    # keys, values (and int8 scales) of a full batch: the cache's peak footprint
+    self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
     self.graphdef, self.state = nnx.split(model)
 
   def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -224,7 +230,7 @@ class Engine:
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
     token_B, logprob_B, cache, seen_BV = _prefill(
         self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
-        max_len=self.max_seq_len)
+        max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     step = 0
     while True:
       tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)

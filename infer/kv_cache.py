@@ -10,6 +10,12 @@ chunk writes is overwritten by the row's next tokens.
 
 Shapes are static for jit: S is fixed per engine (its max_seq_len) and prompt
 chunks are bucketed (`bucket`), so a few compilations serve every request.
+
+`kv_dtype="int8"` stores keys and values as int8 with a float32 scale per
+(token, kv head), symmetric absmax/127 over H: quantized as they are written,
+dequantized per layer inside the jitted step just before attention, so the
+cache holds (1 + 4/H)/4 of the float32 bytes. The scales ride along in
+`k_scale_LBSK`/`v_scale_LBSK` (None for a float cache).
 """
 
 import dataclasses
@@ -23,8 +29,10 @@ from models.config import ModelConfig
 from parallel import constrain
 
 KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
+SCALE_AXES = KV_AXES[:-1]
 SLOT_AXES = ("act_batch", "act_seq")
 MIN_BUCKET = 16
+KV_DTYPES = (None, "int8")  # None: the model's compute dtype
 
 
 class KVCache(NamedTuple):
@@ -33,25 +41,71 @@ class KVCache(NamedTuple):
   segment_ids_BS: jax.Array  # int32; 0 = empty slot
   positions_BS: jax.Array    # int32 position of the token in each slot
   lengths_B: jax.Array       # int32; tokens held per row = the next slot to write
+  k_scale_LBSK: jax.Array | None = None  # float32 int8 steps; None: k, v are float
+  v_scale_LBSK: jax.Array | None = None
 
   @property
   def max_len(self) -> int:
     return self.segment_ids_BS.shape[1]
 
+  @property
+  def layers(self) -> tuple:
+    """What model.decode scans over: (k, v), or (k, v, k_scale, v_scale) for int8."""
+    scales = () if self.k_scale_LBSK is None else (self.k_scale_LBSK, self.v_scale_LBSK)
+    return (self.k_LBSKH, self.v_LBSKH) + scales
+
+
+def check_kv_dtype(kv_dtype) -> None:
+  if not (kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES)):
+    raise ValueError(f"kv_dtype={kv_dtype!r} is not supported: use None (the model's compute "
+                     "dtype) or 'int8'")
+
 
 def constrain_cache(cache: KVCache) -> KVCache:
   """Pins the cache's sharding by logical names (a no-op outside a mesh)."""
   slots = lambda a: constrain(a, SLOT_AXES[:a.ndim])
+  scale = lambda a: None if a is None else constrain(a, SCALE_AXES)
   return KVCache(constrain(cache.k_LBSKH, KV_AXES), constrain(cache.v_LBSKH, KV_AXES),
-                 slots(cache.segment_ids_BS), slots(cache.positions_BS), slots(cache.lengths_B))
+                 slots(cache.segment_ids_BS), slots(cache.positions_BS), slots(cache.lengths_B),
+                 scale(cache.k_scale_LBSK), scale(cache.v_scale_LBSK))
 
 
-def init(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-  """An empty cache of `max_len` slots per row, in the model's compute dtype."""
+def init(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> KVCache:
+  """An empty cache of `max_len` slots per row: the model's compute dtype, or int8 + scales."""
+  check_kv_dtype(kv_dtype)
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   zeros_BS = jnp.zeros((batch, max_len), jnp.int32)
-  return constrain_cache(KVCache(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype),
-                                 zeros_BS, zeros_BS, jnp.zeros((batch,), jnp.int32)))
+  dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
+  scales = (jnp.zeros(shape[:-1], jnp.float32),) * 2 if kv_dtype == "int8" else ()
+  return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_BS,
+                                 zeros_BS, jnp.zeros((batch,), jnp.int32), *scales))
+
+
+def head_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
+  """Bytes of one token's key (or value) in one layer and kv head, its int8 scale included."""
+  check_kv_dtype(kv_dtype)
+  if kv_dtype == "int8":
+    return cfg.head_dim + 4
+  return cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> int:
+  """Bytes of keys and values (and int8 scales) in a cache of `batch` rows of `max_len` slots."""
+  return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * head_bytes(cfg, kv_dtype)
+
+
+def quantize(x_H):
+  """(int8 x_H, float32 scale): symmetric absmax/127 over the last axis, so each element is
+  off by at most scale/2; an all-zero vector gets scale 0."""
+  x32_H = x_H.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x32_H), axis=-1) / 127
+  safe = jnp.where(scale > 0, scale, 1)[..., None]  # zeros quantize to 0, not NaN
+  return jnp.clip(jnp.round(x32_H / safe), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize(q_H, scale, dtype):
+  """q_H · scale in `dtype` (multiplied in float32: a bfloat16 scale would cost precision)."""
+  return (q_H.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def write_rows(buf_BS, new_BT, index_B):
@@ -68,15 +122,35 @@ class _Slots:
   index_B: jax.Array
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+    if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 cache
+      return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
+                               segment_ids_BT, cfg)
     k_BSKH, v_BSKH = layer_cache
     names = KV_AXES[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B), names)
-    out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
-                         kv_segment_ids_BS=self.segment_ids_BS, q_positions_BT=positions_BT,
-                         kv_positions_BS=self.positions_BS, causal=True,
-                         sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
+    out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg)
     return out_BTNH, (k_BSKH, v_BSKH)
+
+  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+    """Writes the chunk quantized; attends over this layer's slots dequantized (never stored)."""
+    k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK = layer_cache
+    kq_BTKH, k_scale_BTK = quantize(k_BTKH)
+    vq_BTKH, v_scale_BTK = quantize(v_BTKH)
+    write = lambda buf, new, names: constrain(write_rows(buf, new, self.index_B), names)
+    k_BSKH, v_BSKH = write(k_BSKH, kq_BTKH, KV_AXES[1:]), write(v_BSKH, vq_BTKH, KV_AXES[1:])
+    k_scale_BSK = write(k_scale_BSK, k_scale_BTK, SCALE_AXES[1:])
+    v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
+    out_BTNH = self._attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
+                               dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
+                               segment_ids_BT, cfg)
+    return out_BTNH, (k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK)
+
+  def _attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg):
+    return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
+                     kv_segment_ids_BS=self.segment_ids_BS, q_positions_BT=positions_BT,
+                     kv_positions_BS=self.positions_BS, causal=True,
+                     sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
 
 
 def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False):
@@ -95,11 +169,11 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   positions_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B),
                  write_rows(cache.positions_BS, positions_BT, index_B), index_B)
-  logits, (k_LBSKH, v_LBSKH) = model.decode(
-      tokens_BT, positions_BT, real_BT, (cache.k_LBSKH, cache.v_LBSKH), slots,
+  logits, (k_LBSKH, v_LBSKH, *scales) = model.decode(
+      tokens_BT, positions_BT, real_BT, cache.layers, slots,
       None if all_logits else jnp.maximum(n_B - 1, 0))
   return logits, constrain_cache(KVCache(k_LBSKH, v_LBSKH, slots.segment_ids_BS,
-                                         slots.positions_BS, index_B + n_B))
+                                         slots.positions_BS, index_B + n_B, *scales))
 
 
 def truncate(cache: KVCache, lengths_B) -> KVCache:

@@ -14,6 +14,11 @@ Attention gathers each row's pages through its block table into a contiguous
 paged and contiguous caches compute the same thing. On TPU a one-token
 decode step goes to the Pallas paged-attention kernel instead, which reads
 the pages in place.
+
+With `kv_dtype="int8"` the pool holds int8 pages plus float32 scales
+[L, K, W, Z] (one per token and kv head, as infer/kv_cache.py): a chunk is
+quantized as it is scattered, and only the pages a row's block table names
+are dequantized, after the gather. Int8 pools always take the pure-JAX path.
 """
 
 import dataclasses
@@ -23,17 +28,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
 from models.attention import attention
 from models.config import ModelConfig
 from parallel import constrain
 
 POOL_AXES = ("layers", "act_kv_heads", None, None, None)
+SCALE_AXES = POOL_AXES[:-1]
 NULL_PAGE = 0
 
 
 class PagePool(NamedTuple):
   k_LKWZH: jax.Array
   v_LKWZH: jax.Array
+  k_scale_LKWZ: jax.Array | None = None  # float32, int8 pools only
+  v_scale_LKWZ: jax.Array | None = None
 
   @property
   def page_size(self) -> int:
@@ -43,32 +52,42 @@ class PagePool(NamedTuple):
   def num_pages(self) -> int:
     return self.k_LKWZH.shape[2]
 
+  @property
+  def layers(self) -> tuple:
+    """What model.decode scans over: (k, v), or (k, v, k_scale, v_scale) for int8."""
+    scales = () if self.k_scale_LKWZ is None else (self.k_scale_LKWZ, self.v_scale_LKWZ)
+    return (self.k_LKWZH, self.v_LKWZH) + scales
 
-def init_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> PagePool:
-  """A zeroed pool of `num_pages` pages (page 0 included) in the model's compute dtype."""
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int,
+              kv_dtype: str | None = None) -> PagePool:
+  """A zeroed pool of `num_pages` pages (page 0 included): compute dtype, or int8 + scales."""
+  check_kv_dtype(kv_dtype)
   shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-  zeros = lambda: constrain(jnp.zeros(shape, cfg.jnp_dtype), POOL_AXES)
-  return PagePool(zeros(), zeros())
+  dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
+  zeros = lambda: constrain(jnp.zeros(shape, dtype), POOL_AXES)
+  scales = lambda: constrain(jnp.zeros(shape[:-1], jnp.float32), SCALE_AXES)
+  return PagePool(zeros(), zeros(), *((scales(), scales()) if kv_dtype == "int8" else ()))
 
 
-def page_bytes(cfg: ModelConfig, page_size: int) -> int:
-  """Bytes one page takes across all layers, keys and values."""
-  return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(
-      cfg.jnp_dtype).itemsize
+def page_bytes(cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> int:
+  """Bytes one page takes across all layers, keys and values (and int8 scales)."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * head_bytes(cfg, kv_dtype)
 
 
 def gather_pages(pages_KWZH, table_BY):
-  """Row b's pages, in block-table order, as one contiguous [B, Y·Z, K, H] sequence."""
-  k, _, z, h = pages_KWZH.shape
+  """Row b's pages, in block-table order, as one contiguous [B, Y·Z, K, H] sequence
+  (scales: [K, W, Z] pages give [B, Y·Z, K])."""
+  k, _, z = pages_KWZH.shape[:3]
   b, y = table_BY.shape
   x_KBYZH = pages_KWZH[:, table_BY]
-  return jnp.transpose(x_KBYZH, (1, 2, 3, 0, 4)).reshape(b, y * z, k, h)
+  return jnp.moveaxis(x_KBYZH, 0, 3).reshape(b, y * z, k, *pages_KWZH.shape[3:])
 
 
 def scatter_tokens(pages_KWZH, new_BTKH, page_BT, slot_BT):
-  """pages with token (b, t) written at slot slot_BT[b, t] of page page_BT[b, t]."""
+  """pages with token (b, t) written at slot slot_BT[b, t] of page page_BT[b, t] (scales too)."""
   return pages_KWZH.at[:, page_BT, slot_BT].set(
-      jnp.transpose(new_BTKH, (2, 0, 1, 3)).astype(pages_KWZH.dtype))
+      jnp.moveaxis(new_BTKH, 2, 0).astype(pages_KWZH.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +99,9 @@ class _Pages:
   lengths_B: jax.Array  # tokens cached per row once this chunk is written
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+    if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 pool
+      return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
+                               segment_ids_BT, cfg)
     k_KWZH, v_KWZH = layer_cache
     k_KWZH = scatter_tokens(k_KWZH, k_BTKH, self.page_BT, self.slot_BT)
     v_KWZH = scatter_tokens(v_KWZH, v_BTKH, self.page_BT, self.slot_BT)
@@ -90,11 +112,32 @@ class _Pages:
                                  positions_BT, segment_ids_BT, cfg)
     return out_BTNH, (k_KWZH, v_KWZH)
 
+  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+    """Scatters the chunk quantized; dequantizes only the pages the rows' block tables name."""
+    k_KWZH, v_KWZH, k_scale_KWZ, v_scale_KWZ = layer_cache
+    scatter = lambda pages, new: scatter_tokens(pages, new, self.page_BT, self.slot_BT)
+    kq_BTKH, k_scale_BTK = quantize(k_BTKH)
+    vq_BTKH, v_scale_BTK = quantize(v_BTKH)
+    k_KWZH, k_scale_KWZ = scatter(k_KWZH, kq_BTKH), scatter(k_scale_KWZ, k_scale_BTK)
+    v_KWZH, v_scale_KWZ = scatter(v_KWZH, vq_BTKH), scatter(v_scale_KWZ, v_scale_BTK)
+    gather = lambda q_KWZH, scale_KWZ: dequantize(gather_pages(q_KWZH, self.table_BY),
+                                                  gather_pages(scale_KWZ, self.table_BY),
+                                                  q_BTNH.dtype)
+    out_BTNH = attend_gathered(q_BTNH, gather(k_KWZH, k_scale_KWZ), gather(v_KWZH, v_scale_KWZ),
+                               self.lengths_B, positions_BT, segment_ids_BT, cfg)
+    return out_BTNH, (k_KWZH, v_KWZH, k_scale_KWZ, v_scale_KWZ)
+
 
 def paged_attention(q_BTNH, k_KWZH, v_KWZH, table_BY, lengths_B, positions_BT, segment_ids_BT,
                     cfg: ModelConfig):
   """The pure-JAX reference: gather through the block tables, then the shared attention()."""
-  k_BSKH, v_BSKH = gather_pages(k_KWZH, table_BY), gather_pages(v_KWZH, table_BY)
+  return attend_gathered(q_BTNH, gather_pages(k_KWZH, table_BY), gather_pages(v_KWZH, table_BY),
+                         lengths_B, positions_BT, segment_ids_BT, cfg)
+
+
+def attend_gathered(q_BTNH, k_BSKH, v_BSKH, lengths_B, positions_BT, segment_ids_BT,
+                    cfg: ModelConfig):
+  """attention() over gathered rows: slot s holds position s, real below lengths_B[b]."""
   s = k_BSKH.shape[1]
   kv_positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q_BTNH.shape[0], s))
   kv_segment_ids_BS = (kv_positions_BS < lengths_B[:, None]).astype(jnp.int32)
@@ -138,8 +181,9 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   block_BT = jnp.minimum(positions_BT // z, table_BY.shape[1] - 1)
   page_BT = jnp.where(real_BT > 0, jnp.take_along_axis(table_BY, block_BT, axis=1), NULL_PAGE)
   pages = _Pages(table_BY, page_BT, positions_BT % z, start_B + n_B)
-  logits, (k_LKWZH, v_LKWZH) = model.decode(
-      tokens_BT, positions_BT, real_BT, (pool.k_LKWZH, pool.v_LKWZH), pages,
+  logits, (k_LKWZH, v_LKWZH, *scales) = model.decode(
+      tokens_BT, positions_BT, real_BT, pool.layers, pages,
       None if all_logits else jnp.maximum(n_B - 1, 0))
-  return logits, PagePool(constrain(k_LKWZH, POOL_AXES), constrain(v_LKWZH, POOL_AXES))
+  return logits, PagePool(constrain(k_LKWZH, POOL_AXES), constrain(v_LKWZH, POOL_AXES),
+                          *(constrain(s, SCALE_AXES) for s in scales))
 

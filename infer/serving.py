@@ -11,6 +11,7 @@ sequences still reading their prompts (chunks right-padded to a power of
 two) and one for the decoding ones (one token each, `max_batch` rows). A
 finished request frees its slot and blocks at once, and a waiting one takes
 them at the next step: no request waits for the longest in its batch.
+`kv_dtype="int8"` keeps the pool as int8 pages with per-token scales.
 
 Outputs equal the contiguous Engine's: same model code, same sampler, and a
 request's randomness depends on its seed and token index only, so batching,
@@ -52,8 +53,9 @@ class PagedEngine(Engine):
 
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
                block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
-               prefill_chunk: int = 256, prefix_caching: bool = True):
-    super().__init__(model, tokenizer, max_seq_len, max_batch)
+               prefill_chunk: int = 256, prefix_caching: bool = True,
+               kv_dtype: str | None = None):
+    super().__init__(model, tokenizer, max_seq_len, max_batch, kv_dtype=kv_dtype)
     if not (isinstance(block_size, int) and block_size >= 1):
       raise ValueError(f"block_size={block_size!r} must be a positive integer")
     self.block_size = block_size
@@ -61,8 +63,9 @@ class PagedEngine(Engine):
     num_blocks = max_batch * self.max_blocks if num_blocks is None else num_blocks
     self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
     self.scheduler = Scheduler(self.blocks, max_batch, token_budget, prefill_chunk)
-    self.pool = paged.init_pool(model.cfg, num_blocks + 1, block_size)
-    self.page_bytes = paged.page_bytes(model.cfg, block_size)
+    self.pool = paged.init_pool(model.cfg, num_blocks + 1, block_size, kv_dtype)
+    self.page_bytes = paged.page_bytes(model.cfg, block_size, kv_dtype)
+    self.cache_bytes = (num_blocks + 1) * self.page_bytes  # the whole pool, null page included
     self._next_id = 0
     self.sequences: dict[int, Sequence] = {}
     self._streams: dict[int, collections.deque] = {}
