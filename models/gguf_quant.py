@@ -33,8 +33,8 @@ def _formats():
 
 
 def _f16(b):
-  """[..., 2] bytes -> [...] float32 (little-endian f16, as GGUF stores it)."""
-  return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+  """[..., 2] bytes -> [...] float16 (little-endian, as GGUF stores it and QArray keeps it)."""
+  return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float16)
 
 
 def block_parts(data, fmt_name: str, rows: int, cols: int, heads: int | None = None):

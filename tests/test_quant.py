@@ -122,15 +122,16 @@ def test_bad_group_and_format_are_refused_naming_the_layer():
     params_by_path(model)["blocks/attn/wq_DNH"][...][0]
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8"])
-def test_gptq_beats_round_to_nearest_on_correlated_inputs(name):
+def test_gptq_beats_round_to_nearest_on_correlated_inputs(name, act_order):
   fmt = parse_format(name)
   rng = np.random.default_rng(0)
   x_NK = rng.standard_normal((2048, 128)) @ rng.standard_normal((128, 128)) * 0.3
   w = _weights(128, 64)
   h = 2 * x_NK.T @ x_NK / len(x_NK)
   rtn = np.linalg.norm(x_NK @ (decode(*encode(w, fmt), fmt) - w))
-  codes, scale, offset = gptq(w, h, fmt)
+  codes, scale, offset = gptq(w, h, fmt, act_order=act_order)
   got = np.linalg.norm(x_NK @ (decode(codes, scale, offset, fmt) - w))
   assert got < 0.9 * rtn, (got, rtn)
 
@@ -146,3 +147,23 @@ def test_large_weights_multiply_in_column_slices(monkeypatch):
   assert qarray._chunks(64, 96) == 6  # the first count >= 5 that divides 96
   np.testing.assert_allclose(q.einsum("BTD,VD->BTV", x_BTD, jnp.float32), whole,
                              rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gptq_quantize_model_lowers_output_error(tied):
+  import dataclasses
+  from infer.quant.gptq import gptq_quantize
+  cfg = dataclasses.replace(CFG, tie_embeddings=tied)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 32))
+  ref = Transformer(cfg, nnx.Rngs(0))(jnp.asarray(ids))
+  errors = {}
+  for method in ("rtn", "gptq"):
+    model = Transformer(cfg, nnx.Rngs(0))
+    if method == "rtn":
+      plan = quantize_model(model, default_rules("int4-g32"))
+    else:
+      plan = gptq_quantize(model, default_rules("int4-g32"), ids, batch=4)
+    assert len(plan) == (8 if tied else 9) and all(isinstance(v[...], QArray) for p, v in
+                                  params_by_path(model).items() if p in plan)
+    errors[method] = float(jnp.abs(model(jnp.asarray(ids)) - ref).mean())
+  assert errors["gptq"] < errors["rtn"], errors

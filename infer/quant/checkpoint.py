@@ -48,7 +48,7 @@ def abstract_qarray(path: str, shape, fmt: QuantFormat) -> QArray:
   # Codes as formats.quantize_values makes them: signed only for symmetric INT8.
   codes_dtype = np.int8 if fmt.bits == 8 and fmt.symmetric else np.uint8
   sds = jax.ShapeDtypeStruct
-  scale = sds(lead + (k // g, m), np.float32)
+  scale = sds(lead + (k // g, m), np.float16)  # scales are stored as float16
   return QArray(sds(lead + (k // g, rows, m), codes_dtype), scale,
                 None if fmt.symmetric else scale, fmt, letters, in_letters, dims)
 

@@ -71,16 +71,31 @@ def check_group(fmt: QuantFormat, k: int, where: str) -> int:
   return g
 
 
+def _f16(x, direction):
+  """x rounded to a float16 value (kept as float32) toward +inf (direction 1) or -inf (-1)."""
+  y = np.asarray(x, np.float32).astype(np.float16)
+  off = (y.astype(np.float32) < x) if direction > 0 else (y.astype(np.float32) > x)
+  y = np.where(off, np.nextafter(y, np.float16(direction * np.inf)), y)
+  if not np.isfinite(y).all():
+    raise ValueError("a weight group's scale or offset overflows float16 (|w| > 6e4)")
+  return y.astype(np.float32)
+
+
 def scales_for(w_GgM: np.ndarray, fmt: QuantFormat):
-  """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1)."""
+  """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1).
+
+  Scales and offsets are stored as float16 (as GGUF does): the scale is rounded
+  up and the offset down to float16 values, so every weight still quantizes
+  within half a step of the stored grid.
+  """
   if fmt.symmetric:
     # INT4 codes span [-8, 7]; absmax at 7.5 steps uses them all and still rounds within half a step.
     qmax = 127 if fmt.bits == 8 else 7.5
-    scale = np.abs(w_GgM).max(axis=1) / qmax
+    scale = _f16(np.abs(w_GgM).max(axis=1) / qmax, 1)
     return np.where(scale == 0, 1.0, scale).astype(np.float32), None
-  lo, hi = w_GgM.min(axis=1), w_GgM.max(axis=1)
-  scale = (hi - lo) / (fmt.levels - 1)
-  return np.where(scale == 0, 1.0, scale).astype(np.float32), lo.astype(np.float32)
+  lo = _f16(w_GgM.min(axis=1), -1)
+  scale = _f16((w_GgM.max(axis=1) - lo) / (fmt.levels - 1), 1)
+  return np.where(scale == 0, 1.0, scale).astype(np.float32), lo
 
 
 def quantize_values(w, scale, offset, fmt: QuantFormat):

@@ -24,8 +24,14 @@ from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
 
 
 def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 0.01,
-         block: int = 128):
-  """(codes_GgM, scale_GM, offset_GM) minimising the H-weighted output error of w_KM."""
+         block: int = 128, act_order: bool = False):
+  """(codes_GgM, scale_GM, offset_GM) minimising the H-weighted output error of w_KM.
+
+  `act_order` quantizes rows in order of decreasing H diagonal (the inputs
+  with the most energy first, while the most rows remain to absorb their
+  error), with every group's scale fixed beforehand from the original rows
+  ("static groups"), so groups stay contiguous rows as the storage needs.
+  """
   k, m = w_KM.shape
   g = fmt.group_for(k)
   if k % g:
@@ -36,19 +42,27 @@ def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 
   h[dead, dead] = 1.0   # inputs never seen: any value is exact, so quantize them freely
   w[dead] = 0.0
   h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-  u = np.linalg.cholesky(np.linalg.inv(h)).T   # upper factor: H⁻¹ = uᵀu
-  block = g * max(1, block // g)
   codes = np.zeros((k, m), np.uint8 if fmt.bits == 4 or not fmt.symmetric else np.int8)
   scales, offsets = np.zeros((k // g, m), np.float32), np.zeros((k // g, m), np.float32)
+  order = np.arange(k)
+  if act_order:
+    s, o = scales_for(w.reshape(k // g, g, m).astype(np.float32), fmt)
+    scales[:], offsets[:] = s, 0.0 if o is None else o
+    order = np.argsort(-np.diag(h), kind="stable")
+    w, h = w[order], h[order][:, order]
+  u = np.linalg.cholesky(np.linalg.inv(h)).T   # upper factor: H⁻¹ = uᵀu
+  block = g * max(1, block // g)
   for i1 in range(0, k, block):
     i2 = min(i1 + block, k)
     w1, u1 = w[i1:i2].copy(), u[i1:i2, i1:i2]
     err1 = np.zeros_like(w1)
     for i in range(i2 - i1):
-      r = i1 + i
-      if r % g == 0:
+      r = order[i1 + i]   # the row's place in w_KM
+      if act_order:
+        scale, offset = scales[r // g], None if fmt.symmetric else offsets[r // g]
+      elif r % g == 0:
         s, o = scales_for(w1[i:i + g][None].astype(np.float32), fmt)
-        scale, offset = s[0].astype(np.float64), None if o is None else o[0].astype(np.float64)
+        scale, offset = s[0], None if o is None else o[0]
         scales[r // g] = scale
         if offset is not None:
           offsets[r // g] = offset
@@ -103,13 +117,13 @@ def _hessians(module, paths, run) -> dict:
   return {p: h / n for p, (h, n) in sink.items()}
 
 
-def _solve(module, path, key, fmt, h_KK, damp):
+def _solve(module, path, key, fmt, h_KK, damp, act_order):
   """GPTQ for one weight of `module`; leaves its dequantized values in place and returns
   (codes, scale, offset)."""
   var = params_by_path(module)[path]
   w = np.asarray(var[...], np.float32)
   letters, in_letters = letters_of(key), CONTRACTS[key.rsplit("/", 1)[-1]]
-  out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, damp=damp)
+  out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, damp=damp, act_order=act_order)
   order = in_letters + "".join(c for c in letters if c not in in_letters)
   w_KM = decode(*out, fmt).reshape([w.shape[letters.index(c)] for c in order])
   var.set_value(jnp.asarray(np.transpose(w_KM, [order.index(c) for c in letters])))
@@ -117,7 +131,7 @@ def _solve(module, path, key, fmt, h_KK, damp):
 
 
 def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp: float = 0.01,
-                  batch: int = 16) -> dict:
+                  act_order: bool = False, batch: int = 16) -> dict:
   """Quantizes `model` in place, GPTQ for every projection the rules select; returns the plan.
 
   `calib_ids_NT` are token ids of real text. The input embedding is quantized
@@ -145,12 +159,12 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
     hessians = _hessians(block, layer_plan, run_block)
     for p, fmt in layer_plan.items():
-      results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp)
+      results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp, act_order)
     xs = run_block(block)   # the next block sees this one's quantization error
   if "unembed_DV" in plan:
     h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]
     results[("unembed_DV", None)] = _solve(model, "unembed_DV", "unembed_DV",
-                                           plan["unembed_DV"], h, damp)
+                                           plan["unembed_DV"], h, damp, act_order)
 
   rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]
   if rest:

@@ -10,8 +10,8 @@ Storage is the weight as a matrix w_KM (K = contraction letters, M = output
 letters, both in the parameter's own order), cut into G groups of g rows:
 
   codes   [*lead, G, g, M] int8/uint8 (INT8), or [*lead, G, g/2, M] uint8 (INT4, packed)
-  scale   [*lead, G, M] float32
-  offset  [*lead, G, M] float32, asymmetric formats only (else None)
+  scale   [*lead, G, M] float16 (as GGUF stores it; exact: quantizers make float16 values)
+  offset  [*lead, G, M] float16, asymmetric formats only (else None)
 
 `lead` are stacked axes the arrays gain from the model (the layer axis); a
 layer scan slices them off like any other parameter.

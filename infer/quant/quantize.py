@@ -38,8 +38,9 @@ def to_qarray(parts, fmt: QuantFormat, letters: str, in_letters: str, dims) -> Q
   parts = parts if stacked else [parts]
   pack = pack_int4 if fmt.bits == 4 else (lambda c: c)
   codes = np.stack([pack(c) for c, _, _ in parts])
-  scale = np.stack([s for _, s, _ in parts]).astype(np.float32)
-  offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts]).astype(np.float32)
+  # float16 storage is exact: scales_for only makes float16 values.
+  scale = np.stack([s for _, s, _ in parts]).astype(np.float16)
+  offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts]).astype(np.float16)
   if not stacked:
     codes, scale, offset = codes[0], scale[0], None if offset is None else offset[0]
   return QArray(jnp.asarray(codes), jnp.asarray(scale),

@@ -67,13 +67,13 @@ def quant_plan(model, rules, *, fit_groups: bool = False) -> dict[str, QuantForm
   for path, var in params.items():
     if path.rsplit("/", 1)[-1] not in CONTRACTS:
       continue  # norms, MoE experts and routers stay in float
-    if isinstance(var[...], QArray):
-      raise ValueError(f"{path} is already quantized ({var[...].fmt.name}); quantize the float "
-                       "model instead")
     for i, (regex, fmt) in enumerate(compiled):
       if regex.search(path):
         used.add(i)
         if fmt is not None:
+          if isinstance(var[...], QArray):
+            raise ValueError(f"{path} is already quantized ({var[...].fmt.name}); quantize "
+                             "the float model instead")
           k = _contraction_size(path, var.shape)
           if fit_groups:
             fmt = fit_group(fmt, k)
