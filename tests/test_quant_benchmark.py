@@ -1,0 +1,28 @@
+"""benchmarks/quant.py end to end on a briefly trained quickstart-shaped model (--quick)."""
+
+import json
+import math
+
+from benchmarks import quant
+from conftest import tiny_config
+from train.loop import train
+
+
+def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
+  workdir = str(tmp_path / "run")
+  train(tiny_config(steps=6, checkpoint_every=6), workdir)
+  capsys.readouterr()  # the training log
+  quant.main(["--json", "--quick", "--models", "quickstart", "--quickstart", workdir])
+  out = json.loads(capsys.readouterr().out)
+  rows = out["models"]["quickstart"]["formats"]
+  assert list(rows) == [label for label, _, _ in quant.FORMATS]
+  for label, row in rows.items():
+    assert math.isfinite(row["ppl"]) and row["ppl"] > 1, (label, row)
+    assert row["decode_tokens_per_s"] > 0
+  assert rows["float32"]["bytes_ratio"] == 1.0
+  # d_model 32, mlp 64: int4-g128 is fitted to g32 on six projections, g64 on the MLP output,
+  # and the plan says so; the embedding stays int8.
+  assert rows["int4-g128-gptq"]["groups_used"] == {"int4-g32": 6, "int4-g64": 1, "int8": 1}
+  assert rows["int8"]["bytes_ratio"] < 0.3 and rows["int4-g32"]["bytes_ratio"] < 0.3
+  assert set(out["models"]["quickstart"]["targets_met"]) >= {"int8_ppl", "calibrated_int4_ppl",
+                                                           "gptq_beats_rtn_ppl"}
