@@ -5,15 +5,16 @@ row cut into blocks of 32 columns:
 
   Q4_0  f16 d, 16 bytes          w = (u - 8)·d      -> int4-g32        scale = d
   Q4_1  f16 d, f16 m, 16 bytes   w = u·d + m        -> int4-g32-asym   scale = d, offset = m
-  Q8_0  f16 d, 32 int8           w = q·d            -> int8-g32        scale = d
+  Q8_0  f16 d, 32 int8           w = q·d            -> int8-g32        scale = d, codes q + 128
 
 Q4 byte j holds column j in its low nibble and column j + 16 in its high one:
 QArray's packed INT4 layout already, so codes are only transposed, never
-repacked. Every projection's contraction is Hugging Face's `in` axis (columns)
+repacked (Q8_0 bytes get their sign bit flipped: QArray keeps uint8 q + 128).
+The token embedding keeps GGUF's row-major order (QArray.out_first). Every projection's contraction is Hugging Face's `in` axis (columns)
 and its output the `out` axis (rows), in the parameter's letter order (see
 hf_io.params_from_hf), so a block column is a QArray group G and a row an
 output column M. llama.cpp's RoPE permutation of Q/K rows is undone by
-permuting M. f16 -> f32 is exact, so `dequantize()` gives the float load's
+permuting M. Scales stay float16, so `dequantize()` gives the float load's
 values bit for bit.
 """
 
@@ -40,7 +41,7 @@ def _f16(b):
 def block_parts(data, fmt_name: str, rows: int, cols: int, heads: int | None = None):
   """(codes_GhM, scale_GM, offset_GM or None) of one GGUF tensor's raw blocks.
 
-  codes are packed nibbles [G, 16, rows] (INT4) or int8 [G, 32, rows] (INT8);
+  codes are packed nibbles [G, 16, rows] (INT4) or q + 128 as uint8 [G, 32, rows] (INT8);
   `heads` undoes llama.cpp's RoPE row permutation (Q/K projections).
   """
   if cols % BLOCK:
@@ -52,7 +53,7 @@ def block_parts(data, fmt_name: str, rows: int, cols: int, heads: int | None = N
   elif fmt_name == "int4-g32":
     codes_RGh = blocks_RGb[..., 2:]
   else:
-    codes_RGh = np.ascontiguousarray(blocks_RGb[..., 2:]).view(np.int8)
+    codes_RGh = blocks_RGb[..., 2:] ^ np.uint8(0x80)  # int8 q -> uint8 q + 128, exact
   want = BLOCK // 2 if fmt_name.startswith("int4") else BLOCK
   if codes_RGh.shape[-1] != want:
     raise ValueError(f"GGUF {fmt_name} blocks of {blocks_RGb.shape[-1]} bytes: expected "
@@ -86,7 +87,7 @@ def quantized_params(tensors, abstract_params) -> tuple[dict, set]:
   from flax import nnx
 
   from infer.quant.formats import parse_format
-  from infer.quant.qarray import QArray
+  from infer.quant.qarray import QArray, arrange
   from infer.quant.rules import CONTRACTS
 
   cfg = tensors.cfg
@@ -118,6 +119,7 @@ def quantized_params(tensors, abstract_params) -> tuple[dict, set]:
                             for i in range(3))
     codes, scale, offset = (a.reshape(shape[:stacked] + a.shape[1:]) if a is not None else None
                             for a in (codes, scale, offset))
+    codes, scale, offset = arrange(codes, scale, offset, letters, in_letters)
     out[path] = QArray(jnp.asarray(codes), jnp.asarray(scale),
                        None if offset is None else jnp.asarray(offset),
                        parse_format(fmt_name), letters, in_letters, tuple(int(d) for d in dims))

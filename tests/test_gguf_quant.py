@@ -76,8 +76,9 @@ def test_smollm_weights_keep_their_gguf_formats_and_values(smollm):
 def test_smollm_weight_bytes_shrink(smollm):
   float_model, quant_model, _ = smollm
   ratio = weight_bytes(quant_model) / weight_bytes(float_model)
-  # int4-g32-asym: 4 bits + two f32 per 32 = 6 bits; int8-g32: 9 bits (embeddings). Measured 0.207.
-  assert ratio < 0.25, ratio
+  # int4-g32-asym: 4 bits + two f16 per 32 = 5 bits; int8-g32: 8.5 bits (embeddings), as the
+  # file stores them: 0.179 of float32 measured, with the float norms.
+  assert ratio < 0.185, ratio
 
 
 def test_smollm_logits_match_the_float_load(smollm):

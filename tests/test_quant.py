@@ -139,14 +139,24 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(name, act_order):
 def test_large_weights_multiply_in_column_slices(monkeypatch):
   import infer.quant.qarray as qarray
   fmt = parse_format("int4-g32-asym")
-  w_VD = _weights(64, 96, seed=4).T
-  q = to_qarray(encode(w_VD.T, fmt), fmt, "VD", "D", w_VD.shape)
   x_BTD = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 64)), jnp.float32)
-  whole = q.einsum("BTD,VD->BTV", x_BTD, jnp.float32)
-  monkeypatch.setattr(qarray, "CHUNK_ELEMENTS", 64 * 96 // 5)
-  assert qarray._chunks(64, 96) == 6  # the first count >= 5 that divides 96
-  np.testing.assert_allclose(q.einsum("BTD,VD->BTV", x_BTD, jnp.float32), whole,
-                             rtol=1e-6, atol=1e-6)
+  cases = [("VD", 96, (6, 16)),   # output-major, equal slices
+           ("VD", 97, (5, 19)),   # 97 is prime: five slices and a tail of two outputs
+           ("DV", 96, (6, 16))]   # contraction-major: slices cut the last axis
+  for letters, m, slices in cases:
+    w_KM = _weights(64, m, seed=m)
+    w = w_KM.T if letters == "VD" else w_KM
+    q = to_qarray(encode(w_KM, fmt), fmt, letters, "D", w.shape)
+    assert q.out_first == (letters == "VD")
+    spec = f"BTD,{letters}->BTV"
+    whole = q.einsum(spec, x_BTD, jnp.float32)
+    np.testing.assert_allclose(whole, jnp.einsum(spec, x_BTD, q.dequantize()), rtol=1e-5,
+                               atol=1e-5)
+    with monkeypatch.context() as patch:
+      patch.setattr(qarray, "CHUNK_ELEMENTS", 64 * 96 // 5)
+      assert qarray._slices(64, m) == slices
+      np.testing.assert_allclose(q.einsum(spec, x_BTD, jnp.float32), whole, rtol=1e-6,
+                                 atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])

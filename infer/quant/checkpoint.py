@@ -45,11 +45,14 @@ def abstract_qarray(path: str, shape, fmt: QuantFormat) -> QArray:
   m = math.prod(dims) // k
   g = check_group(fmt, k, f"{path} (shape {shape})")
   rows = g // 2 if fmt.bits == 4 else g  # INT4 packs two rows per byte
-  # Codes as formats.quantize_values makes them: signed only for symmetric INT8.
-  codes_dtype = np.int8 if fmt.bits == 8 and fmt.symmetric else np.uint8
+  # Codes as formats.quantize_values makes them: always unsigned.
+  codes_dtype = np.uint8
   sds = jax.ShapeDtypeStruct
-  scale = sds(lead + (k // g, m), np.float16)  # scales are stored as float16
-  return QArray(sds(lead + (k // g, rows, m), codes_dtype), scale,
+  codes_shape, scale_shape = (k // g, rows, m), (k // g, m)
+  if letters[0] not in in_letters:   # output-major storage (QArray.out_first)
+    codes_shape, scale_shape = (m, k // g, rows), (m, k // g)
+  scale = sds(lead + scale_shape, np.float16)  # scales are stored as float16
+  return QArray(sds(lead + codes_shape, codes_dtype), scale,
                 None if fmt.symmetric else scale, fmt, letters, in_letters, dims)
 
 

@@ -4,7 +4,7 @@ A weight is viewed as a matrix w_KM: K the contraction (input) size, M the
 output size. Groups of `group` consecutive rows of K share one scale per output
 column (INT8 default: one group spanning all of K, i.e. per output channel).
 
-  symmetric   w ≈ scale · q,            q ∈ [-qmax, qmax] (INT8) or [-8, 7] (INT4)
+  symmetric   w ≈ scale · q,            q ∈ [-127, 127] (INT8) or [-8, 7] (INT4)
   asymmetric  w ≈ scale · u + offset,   u ∈ [0, 2^bits - 1]  (offset = group min)
 
 INT4 is stored as unsigned nibbles u (symmetric: q = u - 8, the GGUF Q4_0
@@ -99,11 +99,13 @@ def scales_for(w_GgM: np.ndarray, fmt: QuantFormat):
 
 
 def quantize_values(w, scale, offset, fmt: QuantFormat):
-  """Integer codes of w given its group's scale/offset (broadcasting): int8 q or uint8 u."""
+  """Unsigned codes u of w given its group's scale/offset (broadcasting); symmetric codes are
+  offset (q + 128 for INT8, q + 8 for INT4), as XLA:CPU converts uint8 to float far faster
+  than int8."""
   if fmt.symmetric:
     lo, hi = (-127, 127) if fmt.bits == 8 else (-8, 7)
     q = np.clip(np.rint(w / scale), lo, hi)
-    return (q + 8).astype(np.uint8) if fmt.bits == 4 else q.astype(np.int8)
+    return (q + (8 if fmt.bits == 4 else 128)).astype(np.uint8)
   u = np.clip(np.rint((w - offset) / scale), 0, fmt.levels - 1)
   return u.astype(np.uint8)
 
@@ -112,7 +114,7 @@ def dequantize_values(codes, scale, offset, fmt: QuantFormat, xp=np):
   """Float values of integer codes (numpy or jax.numpy through `xp`)."""
   c = codes.astype(xp.float32)
   if fmt.symmetric:
-    return (c - 8.0) * scale if fmt.bits == 4 else c * scale
+    return (c - (8.0 if fmt.bits == 4 else 128.0)) * scale
   return c * scale + offset
 
 

@@ -42,7 +42,7 @@ def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 
   h[dead, dead] = 1.0   # inputs never seen: any value is exact, so quantize them freely
   w[dead] = 0.0
   h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-  codes = np.zeros((k, m), np.uint8 if fmt.bits == 4 or not fmt.symmetric else np.int8)
+  codes = np.zeros((k, m), np.uint8)
   scales, offsets = np.zeros((k // g, m), np.float32), np.zeros((k // g, m), np.float32)
   order = np.arange(k)
   if act_order:

@@ -9,7 +9,10 @@ one weight at a time: the full-precision model is never built.
 Storage is the weight as a matrix w_KM (K = contraction letters, M = output
 letters, both in the parameter's own order), cut into G groups of g rows:
 
-  codes   [*lead, G, g, M] int8/uint8 (INT8), or [*lead, G, g/2, M] uint8 (INT4, packed)
+  codes   [*lead, G, g, M] int8/uint8 (INT8), or [*lead, G, g/2, M] uint8 (INT4, packed);
+          output-major [*lead, M, G, g or g/2] (scale/offset [*lead, M, G]) for a weight
+          whose first axis is an output, an embedding table: rows it looks up stay
+          contiguous, and its logits matmul runs at CPU speed only in that order
   scale   [*lead, G, M] float16 (as GGUF stores it; exact: quantizers make float16 values)
   offset  [*lead, G, M] float16, asymmetric formats only (else None)
 
@@ -80,25 +83,41 @@ class QArray:
     return self._size(self.out_letters)
 
   # --- values ------------------------------------------------------------------------------
+  @property
+  def out_first(self) -> bool:
+    """Codes keep the parameter's axis order: output-major when its first axis is an output
+    (an embedding table, whose rows are looked up), else contraction-major."""
+    return self.letters[0] not in self.in_letters
+
+  @property
+  def _row_axis(self) -> int:
+    """The axis of the rows within a group (where INT4 nibbles pair up)."""
+    return -1 if self.out_first else -2
+
   def _planes(self):
-    """[(codes_GhM, x rows as slice of each group)]: INT4 gives its two nibble planes."""
+    """[(codes, x rows as slice of each group)]: INT4 gives its two nibble planes."""
     if self.fmt.bits == 8:
       return [(self.codes, slice(None))]
-    half = self.codes.shape[-2]
+    half = self.codes.shape[self._row_axis]
     return [(self.codes & 15, slice(0, half)), (self.codes >> 4, slice(half, 2 * half))]
 
   def _dequant(self, codes, dtype):
-    scale = self.scale[..., None, :]
-    offset = None if self.offset is None else self.offset[..., None, :]
+    scale = jnp.expand_dims(self.scale, self._row_axis)
+    offset = None if self.offset is None else jnp.expand_dims(self.offset, self._row_axis)
     return dequantize_values(codes, scale, offset, self.fmt, xp=jnp).astype(dtype)
+
+  def _values(self, dtype):
+    """All values, rows of each group in order: [*lead, G, g, M] or [*lead, M, G, g]."""
+    parts = [self._dequant(c, dtype) for c, _ in self._planes()]
+    return jnp.concatenate(parts, axis=self._row_axis) if len(parts) > 1 else parts[0]
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The float weight in the parameter's layout (for tests and export; not on the hot path)."""
-    parts = [self._dequant(c, dtype) for c, _ in self._planes()]
-    w = jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
     lead = self.codes.shape[:self._lead]
-    ordered = self.in_letters + self.out_letters
-    w = w.reshape(lead + tuple(self.dims[self.letters.index(c)] for c in ordered))
+    ordered = (self.out_letters + self.in_letters if self.out_first
+               else self.in_letters + self.out_letters)
+    w = self._values(dtype).reshape(lead + tuple(self.dims[self.letters.index(c)]
+                                                 for c in ordered))
     perm = [ordered.index(c) for c in self.letters]
     return jnp.transpose(w, list(range(len(lead))) + [len(lead) + p for p in perm])
 
@@ -112,38 +131,58 @@ class QArray:
     xs, rest = spec.replace(" ", "").split(",")
     ws, outs = rest.split("->")
     batch = xs[:len(xs) - len(self.in_letters)]
-    if (sorted(ws) != sorted(self.letters) or not xs.endswith(self.in_letters)
+    if (ws != self.letters or not xs.endswith(self.in_letters)
         or outs != batch + self.out_letters or self._lead):
       raise ValueError(f"quantized einsum {spec!r} on a weight with axes {self.letters!r} "
                        f"(contracting {self.in_letters!r}, {self._lead} stacked axes): want "
                        f"'{batch}{self.in_letters},{self.letters}->{batch}{self.out_letters}'")
-    g_count = self.scale.shape[0]
-    x_NGg = x.reshape(-1, g_count, self.k // g_count).astype(dtype)
-    chunks = _chunks(self.k, self.m)
-    if chunks == 1:
-      y_NM = self._matmul(x_NGg, self, dtype, preferred_element_type)
+    groups = self.scale.shape[-1 if self.out_first else 0]
+    x_NGg = x.reshape(-1, groups, self.k // groups).astype(dtype)
+    count, width = _slices(self.k, self.m)
+    if count <= 1:
+      y_NM = self._matmul(x_NGg, dtype, preferred_element_type)
     else:
-      # A large weight (an LM head) is dequantized a slice of columns at a time, so the
-      # float slice stays in cache instead of streaming the whole float matrix to memory.
-      def split(a):
-        return None if a is None else jnp.moveaxis(a.reshape(a.shape[:-1] + (chunks, -1)), -2, 0)
-      sliced = dataclasses.replace(self, codes=split(self.codes), scale=split(self.scale),
-                                   offset=split(self.offset))
-      y_CNM = jax.lax.map(lambda q: self._matmul(x_NGg, q, dtype, preferred_element_type),
-                          sliced)
-      y_NM = jnp.moveaxis(y_CNM, 0, 1).reshape(x_NGg.shape[0], self.m)
+      # A large weight (an LM head) is dequantized `width` outputs at a time, so each
+      # float slice stays in cache instead of the whole float matrix streaming to memory.
+      m_axis = 0 if self.out_first else -1
+      body = self._cut(0, count * width, m_axis, (count, width))
+      y_CNM = jax.lax.map(lambda q: q._matmul(x_NGg, dtype, preferred_element_type), body)
+      y_NM = jnp.moveaxis(y_CNM, 0, 1).reshape(x_NGg.shape[0], count * width)
+      if count * width < self.m:
+        tail = self._cut(count * width, self.m, m_axis, None)
+        y_NM = jnp.concatenate([y_NM, tail._matmul(x_NGg, dtype, preferred_element_type)], -1)
     return y_NM.reshape(x.shape[:len(batch)] + tuple(self.dims[self.letters.index(c)]
                                                      for c in self.out_letters))
 
-  @staticmethod
-  def _matmul(x_NGg, q, dtype, preferred_element_type):
+  def _cut(self, start, stop, m_axis, split):
+    """Outputs [start, stop) of every array, optionally split to a leading [count, width]."""
+    def cut(a):
+      if a is None:
+        return None
+      a = jax.lax.slice_in_dim(a, start, stop, axis=m_axis % a.ndim)
+      if split is None:
+        return a
+      if m_axis == 0:
+        return a.reshape(split + a.shape[1:])
+      return jnp.moveaxis(a.reshape(a.shape[:-1] + split), -2, 0)
+    return dataclasses.replace(self, codes=cut(self.codes), scale=cut(self.scale),
+                               offset=cut(self.offset))
+
+  def _matmul(self, x_NGg, dtype, preferred_element_type):
+    # One contraction axis (groups and rows flattened): XLA:CPU runs a dot with two
+    # contracting axes several times slower.
     y_NM = None
-    for codes_GhM, rows in q._planes():
-      w_GhM = q._dequant(codes_GhM, dtype)
-      part = jnp.einsum("NGh,GhM->NM", x_NGg[:, :, rows], w_GhM,
-                        preferred_element_type=preferred_element_type)
+    for codes, rows in self._planes():
+      x_NR = x_NGg[:, :, rows].reshape(x_NGg.shape[0], -1)
+      w = self._dequant(codes, dtype)
+      if self.out_first:
+        part = jnp.einsum("NR,MR->NM", x_NR, w.reshape(w.shape[0], -1),
+                          preferred_element_type=preferred_element_type or jnp.float32)
+      else:
+        part = jnp.einsum("NR,RM->NM", x_NR, w.reshape(-1, w.shape[-1]),
+                          preferred_element_type=preferred_element_type or jnp.float32)
       y_NM = part if y_NM is None else y_NM + part
-    return y_NM
+    return y_NM.astype(preferred_element_type or dtype)
 
   def take(self, ids, dtype) -> jax.Array:
     """jnp.take(w, ids, axis=0) for a weight whose first axis is its only output axis."""
@@ -151,25 +190,41 @@ class QArray:
       raise ValueError(f"row lookup needs the first axis to be the only output axis; "
                        f"this weight has axes {self.letters!r} contracting {self.in_letters!r}")
     flat = ids.reshape(-1)
-    picked = dataclasses.replace(self, codes=jnp.take(self.codes, flat, axis=-1),
-                                 scale=jnp.take(self.scale, flat, axis=-1),
+    picked = dataclasses.replace(self, codes=jnp.take(self.codes, flat, axis=0),
+                                 scale=jnp.take(self.scale, flat, axis=0),
                                  offset=None if self.offset is None
-                                 else jnp.take(self.offset, flat, axis=-1))
-    parts = [picked._dequant(c, dtype) for c, _ in picked._planes()]
-    w_GgN = jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
-    return w_GgN.reshape(self.k, -1).T.reshape(ids.shape + (self.k,))
+                                 else jnp.take(self.offset, flat, axis=0))
+    return picked._values(dtype).reshape(ids.shape + (self.k,))
 
 
-# Weights above this many elements are multiplied in column slices (see QArray.einsum).
+# Weights above this many elements are multiplied in slices of outputs (see QArray.einsum).
 CHUNK_ELEMENTS = 1 << 21
 
 
-def _chunks(k: int, m: int) -> int:
-  """How many equal column slices keep each under CHUNK_ELEMENTS (1 for small weights)."""
-  n = -(-k * m // CHUNK_ELEMENTS)
-  while n > 1 and m % n:
-    n += 1
-  return max(n, 1)
+def _slices(k: int, m: int) -> tuple[int, int]:
+  """(count, width): `count` slices of `width` outputs, each about CHUNK_ELEMENTS elements or
+  fewer. Equal slices covering all m when some count up to twice the least does (slicing
+  off a remainder copies the codes every call); else outputs past count·width (fewer than
+  width) are multiplied on their own."""
+  least = -(-k * m // CHUNK_ELEMENTS)
+  if least <= 1:
+    return 1, m
+  for count in range(least, 2 * least + 1):
+    if m % count == 0:
+      return count, m // count
+  width = max(1, CHUNK_ELEMENTS // k)
+  return m // width, width
+
+
+def arrange(codes_GrM, scale_GM, offset_GM, letters: str, in_letters: str):
+  """Contraction-major group arrays ([*lead, G, r, M], [*lead, G, M]) in the storage layout
+  QArray uses for this parameter (output-major [*lead, M, G, r] for an embedding table)."""
+  if letters[0] in in_letters:
+    return codes_GrM, scale_GM, offset_GM
+  codes = np.ascontiguousarray(np.moveaxis(codes_GrM, -1, -3))
+  scale = np.ascontiguousarray(np.moveaxis(scale_GM, -1, -2))
+  offset = None if offset_GM is None else np.ascontiguousarray(np.moveaxis(offset_GM, -1, -2))
+  return codes, scale, offset
 
 
 def to_matrix(w: np.ndarray, letters: str, in_letters: str) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 
 from infer.quant.formats import (QuantFormat, check_group, dequantize_values, pack_int4,
                                  quantize_values, scales_for)
-from infer.quant.qarray import QArray, to_matrix
+from infer.quant.qarray import QArray, arrange, to_matrix
 from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
 
 
@@ -43,6 +43,7 @@ def to_qarray(parts, fmt: QuantFormat, letters: str, in_letters: str, dims) -> Q
   offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts]).astype(np.float16)
   if not stacked:
     codes, scale, offset = codes[0], scale[0], None if offset is None else offset[0]
+  codes, scale, offset = arrange(codes, scale, offset, letters, in_letters)
   return QArray(jnp.asarray(codes), jnp.asarray(scale),
                 None if offset is None else jnp.asarray(offset), fmt, letters, in_letters,
                 tuple(int(d) for d in dims))
