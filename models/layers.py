@@ -28,7 +28,7 @@ def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
   changes its parameters, never this code.
   """
   value = w[...]
-  if not isinstance(value, jax.Array):
+  if hasattr(value, "einsum") and not isinstance(value, jax.Array):
     return value.einsum(spec, x, dtype, **kwargs)
   return jnp.einsum(spec, x, value.astype(dtype), **kwargs)
 
@@ -36,7 +36,7 @@ def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
 def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
   """Rows `ids` of w (an embedding lookup), in `dtype`; quantized weights dequantize just those."""
   value = w[...]
-  if not isinstance(value, jax.Array):
+  if hasattr(value, "einsum") and not isinstance(value, jax.Array):
     return value.take(ids, dtype)
   return jnp.take(value, ids, axis=0).astype(dtype)
 

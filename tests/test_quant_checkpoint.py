@@ -110,14 +110,26 @@ def test_engine_generates_the_same_tokens_from_the_reloaded_checkpoint(tmp_path,
   loaded, tok = load_quantized(str(tmp_path / "q"))
   want = _greedy(model, tokenizer)
   assert len(want) == 8 and _greedy(loaded, tok) == want
+  # The serving engine (continuous batching over paged KV, also the RL rollout engine) and
+  # an int8 KV cache run the quantized checkpoint too.
+  from infer.serving import PagedEngine
+  prompts = [tok.encode(PROMPT), tok.encode("ROMEO:")]
+  params = SamplingParams(max_tokens=8)
+  dense = [r.token_ids for r in Engine(loaded, tok, max_seq_len=64).generate(prompts, params)]
+  assert dense[0] == want
+  paged = PagedEngine(loaded, tok, max_seq_len=64, max_batch=2)
+  assert [r.token_ids for r in paged.generate(prompts, params)] == dense
+  paged8 = PagedEngine(loaded, tok, max_seq_len=64, max_batch=2, kv_dtype="int8")
+  assert [len(r.token_ids) for r in paged8.generate(prompts, params)] == [8, 8]
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path, tokenizer):
   model, plan = _quantized("int8")
   model.final_norm.scale.set_value(object())  # Orbax cannot write this leaf
   out = tmp_path / "q"
-  with pytest.raises(Exception):
+  with pytest.raises(Exception) as failure:
     save_quantized(model, tokenizer, str(out), plan)
+  assert "object" in str(failure.value) or "type" in str(failure.value).lower(), failure.value
   assert not out.exists()
   assert os.listdir(tmp_path) == [], "the temporary directory must be removed"
 
@@ -215,3 +227,18 @@ def test_quantize_with_gptq(tmp_path, workdir):
     info = json.load(f)
   assert info["method"] == "gptq" and info["calibration"]["samples"] == 4
   assert len(_greedy(model, tokenizer, n=4)) == 4
+
+
+def test_other_format_versions_are_refused(tmp_path, tokenizer):
+  import json
+  model, plan = _quantized("int8")
+  out = str(tmp_path / "q")
+  save_quantized(model, tokenizer, out, plan)
+  info_path = os.path.join(out, "quant.json")
+  with open(info_path) as f:
+    info = json.load(f)
+  info["version"] = 1
+  with open(info_path, "w") as f:
+    json.dump(info, f)
+  with pytest.raises(ValueError, match="format version 1"):
+    load_quantized(out)

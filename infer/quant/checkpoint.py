@@ -26,7 +26,9 @@ from infer.quant.qarray import QArray
 from infer.quant.rules import CONTRACTS, letters_of
 
 QUANT_JSON = "quant.json"
-VERSION = 1
+# 2: float16 scales, unsigned codes, output-major embedding tables. Orbax would cast an
+# older checkpoint's arrays to the new dtypes silently, so other versions are refused.
+VERSION = 2
 
 
 def is_quantized_dir(path: str) -> bool:
@@ -146,6 +148,9 @@ def read_info(directory: str) -> dict:
   for key in ("model_config", "plan"):
     if key not in info:
       raise ValueError(f"{path} has no {key!r} entry")
+  if info.get("version") != VERSION:
+    raise ValueError(f"{path}: format version {info.get('version')!r}, this meshlm reads version "
+                     f"{VERSION}; quantize the float model again with `meshlm quantize`")
   plan = {}
   for param, name in info["plan"].items():
     try:

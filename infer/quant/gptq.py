@@ -39,26 +39,30 @@ def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 
   w = np.array(w_KM, np.float64)
   h = np.array(h_KK, np.float64)
   dead = np.diag(h) == 0
-  h[dead, dead] = 1.0   # inputs never seen: any value is exact, so quantize them freely
-  w[dead] = 0.0
+  h[dead, dead] = 1.0   # inputs calibration never saw: plain rounding, no error feedback
   h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
   codes = np.zeros((k, m), np.uint8)
   scales, offsets = np.zeros((k // g, m), np.float32), np.zeros((k // g, m), np.float32)
   order = np.arange(k)
-  if act_order:
+  # Groups longer than a block (per-channel INT8) get their scales up front from the
+  # original rows, as GPTQ does per channel, so blocks stay 128 rows.
+  static = act_order or g > block
+  if static:
     s, o = scales_for(w.reshape(k // g, g, m).astype(np.float32), fmt)
     scales[:], offsets[:] = s, 0.0 if o is None else o
+  if act_order:
     order = np.argsort(-np.diag(h), kind="stable")
     w, h = w[order], h[order][:, order]
   u = np.linalg.cholesky(np.linalg.inv(h)).T   # upper factor: H⁻¹ = uᵀu
-  block = g * max(1, block // g)
+  if not static:
+    block = g * max(1, block // g)   # a group's rows all inside one block
   for i1 in range(0, k, block):
     i2 = min(i1 + block, k)
     w1, u1 = w[i1:i2].copy(), u[i1:i2, i1:i2]
     err1 = np.zeros_like(w1)
     for i in range(i2 - i1):
       r = order[i1 + i]   # the row's place in w_KM
-      if act_order:
+      if static:
         scale, offset = scales[r // g], None if fmt.symmetric else offsets[r // g]
       elif r % g == 0:
         s, o = scales_for(w1[i:i + g][None].astype(np.float32), fmt)
@@ -90,7 +94,8 @@ class _Recorder:
       h_KK = memo[1]
     else:
       x_NK = jnp.reshape(x, (-1, _matrix_k(self.key, self.value.shape))).astype(jnp.float32)
-      h_KK = np.asarray(2.0 * (x_NK.T @ x_NK), np.float64)
+      h_KK = np.asarray(2.0 * jnp.matmul(x_NK.T, x_NK, precision=jax.lax.Precision.HIGHEST),
+                        np.float64)
       self.sink["_memo"] = (x, h_KK)
     h, n = self.sink.get(self.key, (0.0, 0))
     self.sink[self.key] = (h + h_KK, n + x.size // h_KK.shape[0])
@@ -159,7 +164,11 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
     hessians = _hessians(block, layer_plan, run_block)
     for p, fmt in layer_plan.items():
-      results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp, act_order)
+      try:
+        results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp, act_order)
+      except np.linalg.LinAlgError as e:
+        raise ValueError(f"GPTQ of blocks/{p}, layer {layer}: {e} (raise damp, or calibrate "
+                         "on more text)") from e
     xs = run_block(block)   # the next block sees this one's quantization error
   if "unembed_DV" in plan:
     h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]

@@ -38,15 +38,23 @@ def to_qarray(parts, fmt: QuantFormat, letters: str, in_letters: str, dims) -> Q
   parts = parts if stacked else [parts]
   pack = pack_int4 if fmt.bits == 4 else (lambda c: c)
   codes = np.stack([pack(c) for c, _, _ in parts])
-  # float16 storage is exact: scales_for only makes float16 values.
-  scale = np.stack([s for _, s, _ in parts]).astype(np.float16)
-  offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts]).astype(np.float16)
+  # float16 storage is exact: scales_for only makes float16 values (checked: codes made for
+  # other scales would silently decode wrong).
+  scale = _as_f16(np.stack([s for _, s, _ in parts]))
+  offset = None if parts[0][2] is None else _as_f16(np.stack([o for _, _, o in parts]))
   if not stacked:
     codes, scale, offset = codes[0], scale[0], None if offset is None else offset[0]
   codes, scale, offset = arrange(codes, scale, offset, letters, in_letters)
   return QArray(jnp.asarray(codes), jnp.asarray(scale),
                 None if offset is None else jnp.asarray(offset), fmt, letters, in_letters,
                 tuple(int(d) for d in dims))
+
+
+def _as_f16(a):
+  h = np.asarray(a).astype(np.float16)
+  if not np.array_equal(h.astype(np.float32), np.asarray(a, np.float32)):
+    raise ValueError("quantization scales/offsets must be float16 values (see formats.scales_for)")
+  return h
 
 
 def layer_matrices(path: str, value) -> tuple[list[np.ndarray] | np.ndarray, tuple, bool]:
@@ -75,6 +83,8 @@ def quantize_model(model, rules, *, fit_groups: bool = False, method=None) -> di
     letters, in_letters = letters_of(path), CONTRACTS[path.rsplit("/", 1)[-1]]
 
     def one(i, w_KM, path=path, fmt=fmt):
+      if not np.isfinite(w_KM).all():
+        raise ValueError(f"{path}{'' if i is None else f' (layer {i})'} has NaN or Inf weights")
       if method is None:
         return encode(w_KM, fmt, path)
       return method(path, i, w_KM, fmt)

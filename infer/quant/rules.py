@@ -47,7 +47,7 @@ def _params(model) -> dict[str, nnx.Variable]:
 def fit_group(fmt: QuantFormat, k: int) -> QuantFormat:
   """`fmt`, or the same format with the largest halving of its group that divides k."""
   g = fmt.group_for(k)
-  while fmt.group and k % g and g % 2 == 0 and g > 8:
+  while fmt.group and k % g and (g // 2) % 2 == 0 and g > 8:   # groups stay even
     g //= 2
   return fmt if g == fmt.group_for(k) else QuantFormat(fmt.bits, g, fmt.symmetric)
 
