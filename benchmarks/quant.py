@@ -8,6 +8,8 @@ runs/quickstart`), each format quantizes the float32 model afresh:
 
   float32 | int8 (per channel, RTN) | int4-g128 RTN | int4-g128 GPTQ | int4-g32 RTN
 
+(GPTQ with act_order and clip_search, as `meshlm quantize` runs it.)
+
 Every projection takes the format and the (tied) embedding/LM head takes it too for
 int8, int8 for the INT4 rows; `fit_groups` halves a group
 that does not divide a contraction (SmolLM2's 576-wide inputs get g64, the quickstart's
@@ -109,7 +111,8 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
     embeddings = "int8" if fmt.startswith("int4") else "same"
   rules = default_rules(fmt, embeddings=embeddings)
   if method == "gptq":
-    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True)
+    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True, act_order=True,
+                         clip_search=True)
   else:
     plan = quantize_model(model, rules, fit_groups=True)
   groups = {}

@@ -34,6 +34,10 @@ def _flags(argv: list[str]):
                     "size until it does (default: refuse, naming the layer)", flag_values=fv)
   flags.DEFINE_string("out", None, "output directory (must not exist, or be empty)",
                       flag_values=fv)
+  flags.DEFINE_bool("act_order", True, "GPTQ: rows in decreasing Hessian diagonal order, "
+                    "group scales fixed up front", flag_values=fv)
+  flags.DEFINE_bool("clip_search", True, "GPTQ: each group's range by least squared error",
+                    flag_values=fv)
   try:
     fv(["meshlm"] + argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -159,7 +163,9 @@ def run(fv) -> None:
       from infer.quant.gptq import gptq_quantize
     except ImportError as e:
       raise ValueError(f"GPTQ is not available ({e}); use --method rtn") from e
-    plan = gptq_quantize(model, rules, ids_NT, fit_groups=fv["fit_groups"].value)
+    plan = gptq_quantize(model, rules, ids_NT, fit_groups=fv["fit_groups"].value,
+                         act_order=fv["act_order"].value, clip_search=fv["clip_search"].value)
+    calib_info.update(act_order=fv["act_order"].value, clip_search=fv["clip_search"].value)
   else:
     plan = quantize_model(model, rules, fit_groups=fv["fit_groups"].value)
   after = weight_bytes(model)

@@ -81,13 +81,34 @@ def _f16(x, direction):
   return y.astype(np.float32)
 
 
-def scales_for(w_GgM: np.ndarray, fmt: QuantFormat):
+# Range shrink factors tried by scales_for(..., search=True).
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False):
   """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1).
 
   Scales and offsets are stored as float16 (as GGUF does): the scale is rounded
   up and the offset down to float16 values, so every weight still quantizes
-  within half a step of the stored grid.
+  within half a step of the stored grid. `search` instead picks, per group and
+  column, the shrink of the range in CLIP_GRID with the least squared error
+  (clipping a few outliers for a finer grid), as calibrated methods do.
   """
+  if search:
+    best, best_err = None, None
+    for alpha in CLIP_GRID:
+      scale, offset = scales_for(w_GgM * alpha, fmt)
+      off = None if offset is None else offset[:, None]
+      codes = quantize_values(w_GgM, scale[:, None], off, fmt)
+      err = ((dequantize_values(codes, scale[:, None], off, fmt) - w_GgM) ** 2).sum(axis=1)
+      if best is None:
+        best, best_err = (scale, offset), err
+        continue
+      better = err < best_err
+      best_err = np.where(better, err, best_err)
+      best = (np.where(better, scale, best[0]),
+              None if offset is None else np.where(better, offset, best[1]))
+    return best
   if fmt.symmetric:
     # INT4 codes span [-8, 7]; absmax at 7.5 steps uses them all and still rounds within half a step.
     qmax = 127 if fmt.bits == 8 else 7.5

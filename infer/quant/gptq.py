@@ -24,13 +24,15 @@ from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
 
 
 def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 0.01,
-         block: int = 128, act_order: bool = False):
+         block: int = 128, act_order: bool = False, clip_search: bool = False):
   """(codes_GgM, scale_GM, offset_GM) minimising the H-weighted output error of w_KM.
 
   `act_order` quantizes rows in order of decreasing H diagonal (the inputs
   with the most energy first, while the most rows remain to absorb their
   error), with every group's scale fixed beforehand from the original rows
   ("static groups"), so groups stay contiguous rows as the storage needs.
+  `clip_search` picks each group's range by least squared error
+  (formats.scales_for(search=True)) instead of min/max.
   """
   k, m = w_KM.shape
   g = fmt.group_for(k)
@@ -48,7 +50,7 @@ def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 
   # original rows, as GPTQ does per channel, so blocks stay 128 rows.
   static = act_order or g > block
   if static:
-    s, o = scales_for(w.reshape(k // g, g, m).astype(np.float32), fmt)
+    s, o = scales_for(w.reshape(k // g, g, m).astype(np.float32), fmt, clip_search)
     scales[:], offsets[:] = s, 0.0 if o is None else o
   if act_order:
     order = np.argsort(-np.diag(h), kind="stable")
@@ -65,7 +67,7 @@ def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 
       if static:
         scale, offset = scales[r // g], None if fmt.symmetric else offsets[r // g]
       elif r % g == 0:
-        s, o = scales_for(w1[i:i + g][None].astype(np.float32), fmt)
+        s, o = scales_for(w1[i:i + g][None].astype(np.float32), fmt, clip_search)
         scale, offset = s[0], None if o is None else o[0]
         scales[r // g] = scale
         if offset is not None:
@@ -122,13 +124,13 @@ def _hessians(module, paths, run) -> dict:
   return {p: h / n for p, (h, n) in sink.items()}
 
 
-def _solve(module, path, key, fmt, h_KK, damp, act_order):
+def _solve(module, path, key, fmt, h_KK, options):
   """GPTQ for one weight of `module`; leaves its dequantized values in place and returns
   (codes, scale, offset)."""
   var = params_by_path(module)[path]
   w = np.asarray(var[...], np.float32)
   letters, in_letters = letters_of(key), CONTRACTS[key.rsplit("/", 1)[-1]]
-  out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, damp=damp, act_order=act_order)
+  out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, **options)
   order = in_letters + "".join(c for c in letters if c not in in_letters)
   w_KM = decode(*out, fmt).reshape([w.shape[letters.index(c)] for c in order])
   var.set_value(jnp.asarray(np.transpose(w_KM, [order.index(c) for c in letters])))
@@ -136,7 +138,7 @@ def _solve(module, path, key, fmt, h_KK, damp, act_order):
 
 
 def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp: float = 0.01,
-                  act_order: bool = False, batch: int = 16) -> dict:
+                  act_order: bool = False, clip_search: bool = False, batch: int = 16) -> dict:
   """Quantizes `model` in place, GPTQ for every projection the rules select; returns the plan.
 
   `calib_ids_NT` are token ids of real text. The input embedding is quantized
@@ -145,6 +147,7 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
   distort the lookup table it also is. An untied LM head gets GPTQ.
   """
   plan = quant_plan(model, rules, fit_groups=fit_groups)
+  options = dict(damp=damp, act_order=act_order, clip_search=clip_search)
   if "embed_VD" in plan:
     quantize_model(model, [("^embed_VD$", plan["embed_VD"].name)])
   ids = np.asarray(calib_ids_NT, np.int32)
@@ -165,7 +168,7 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
     hessians = _hessians(block, layer_plan, run_block)
     for p, fmt in layer_plan.items():
       try:
-        results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], damp, act_order)
+        results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], options)
       except np.linalg.LinAlgError as e:
         raise ValueError(f"GPTQ of blocks/{p}, layer {layer}: {e} (raise damp, or calibrate "
                          "on more text)") from e
@@ -173,7 +176,7 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
   if "unembed_DV" in plan:
     h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]
     results[("unembed_DV", None)] = _solve(model, "unembed_DV", "unembed_DV",
-                                           plan["unembed_DV"], h, damp, act_order)
+                                           plan["unembed_DV"], h, options)
 
   rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]
   if rest:
