@@ -39,15 +39,25 @@ def test_pack_unpack_round_trips_exactly():
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_round_to_nearest_error_within_half_a_step(name):
+def test_round_to_nearest_error_within_its_bound(name):
   fmt = parse_format(name)
   w = _weights()
   codes, scale, offset = encode(w, fmt)
-  err = np.abs(decode(codes, scale, offset, fmt) - w)
+  dequant = decode(codes, scale, offset, fmt)
+  err = np.abs(dequant - w)
   g = fmt.group_for(w.shape[0])
-  step = np.repeat(scale, g, axis=0)
+  step = np.abs(np.repeat(scale, g, axis=0))
   # Half a quantization step, plus float32 rounding of w/scale and back (a few ulps of |w|).
   bound = 0.5 * step + 4 * np.finfo(np.float32).eps * np.abs(w)
+  if fmt.bits == 4 and fmt.symmetric:
+    # Q4_0's rule: the extreme maps to code -8 (to float16 rounding of the scale), and the
+    # other sign clips at +7 steps: beyond 7.5 steps the error is |w| - 7 steps (< 1 step).
+    bound = np.maximum(bound, np.abs(w) - 7 * step + 4 * np.finfo(np.float32).eps * np.abs(w))
+    extreme = np.abs(w.reshape(-1, g, w.shape[1])).argmax(axis=1)
+    w_ext = np.take_along_axis(w.reshape(-1, g, w.shape[1]), extreme[:, None], 1)
+    d_ext = np.take_along_axis(dequant.reshape(-1, g, w.shape[1]), extreme[:, None], 1)
+    np.testing.assert_allclose(d_ext, w_ext, rtol=2.0 ** -10)
+    assert (bound < step + 1e-6).all()
   assert (err <= bound).all(), float((err - bound).max())
   # Unsigned codes within the format's range (symmetric INT8 never uses 0: q >= -127).
   assert codes.dtype == np.uint8 and codes.max() < (16 if fmt.bits == 4 else 256)
