@@ -97,7 +97,8 @@ def decode_speed(model, tokenizer, prompt_ids: list[int], new_tokens: int, repea
   return best
 
 
-def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: str = "auto"):
+def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: str = "auto",
+              gptq_options=None):
   """A fresh float model from `load()`, quantized as asked: (model, plan summary, seconds)."""
   from infer.quant import default_rules, quantize_model
   from infer.quant.gptq import gptq_quantize
@@ -111,8 +112,8 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
     embeddings = "int8" if fmt.startswith("int4") else "same"
   rules = default_rules(fmt, embeddings=embeddings)
   if method == "gptq":
-    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True, act_order=True,
-                         clip_search=True)
+    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True,
+                         **(gptq_options or dict(act_order=True, clip_search=True)))
   else:
     plan = quantize_model(model, rules, fit_groups=True)
   groups = {}
@@ -132,7 +133,11 @@ def run_model(name, load, texts, args) -> dict:
   for label, fmt, method in FORMATS:
     if args.formats and label not in args.formats:
       continue
-    model, tok, groups, secs = quantized(load, fmt, method, calib, args.embeddings)
+    if fmt and args.int4_asym and fmt.startswith("int4"):
+      fmt += "-asym"
+    model, tok, groups, secs = quantized(load, fmt, method, calib, args.embeddings,
+                                         dict(act_order=bool(args.gptq_act_order),
+                                              clip_search=bool(args.gptq_clip_search)))
     row = {"format": fmt or "float32", "method": method or "none", "groups_used": groups,
            "quantize_s": round(secs, 1), "weight_bytes": weight_bytes(model),
            "ppl": perplexity(model, held),
@@ -171,6 +176,9 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="small sizes (tests)")
   p.add_argument("--models", default="smollm,quickstart")
   p.add_argument("--formats", default="", help="comma-separated subset of the format labels")
+  p.add_argument("--gptq_act_order", type=int, default=1, help="1/0")
+  p.add_argument("--gptq_clip_search", type=int, default=1, help="1/0")
+  p.add_argument("--int4_asym", action="store_true", help="asymmetric INT4 rows")
   p.add_argument("--embeddings", default="auto",
                  help="embedding/LM head format: auto (int8 for INT4 rows), same, int8, ...")
   p.add_argument("--quickstart", default=os.path.join(REPO, "runs", "quickstart"),
@@ -184,7 +192,8 @@ def main(argv=None):
 
   from train.cli import load_any
   out = {"benchmark": "quant", "backend": jax.default_backend(), "cpus": cpu_count(),
-         "embeddings": args.embeddings,
+         "embeddings": args.embeddings, "gptq_act_order": args.gptq_act_order,
+         "gptq_clip_search": args.gptq_clip_search, "int4_asym": args.int4_asym,
          "targets": TARGETS, "models": {}}
   for name in args.models.split(","):
     if name == "smollm":
