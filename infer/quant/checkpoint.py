@@ -23,7 +23,7 @@ from flax import nnx
 
 from infer.quant.formats import QuantFormat, check_group, parse_format
 from infer.quant.qarray import QArray
-from infer.quant.rules import CONTRACTS, letters_of
+from infer.quant.rules import CONTRACTS, axes_of, contraction_size
 
 QUANT_JSON = "quant.json"
 # 2: float16 scales, unsigned codes, output-major embedding tables. Orbax would cast an
@@ -40,10 +40,10 @@ def abstract_qarray(path: str, shape, fmt: QuantFormat) -> QArray:
   name = path.rsplit("/", 1)[-1]
   if name not in CONTRACTS:
     raise ValueError(f"parameter {path!r} is not quantizable (quantizable: {', '.join(CONTRACTS)})")
-  letters, in_letters = letters_of(path), CONTRACTS[name]
+  letters, in_letters = axes_of(path)
   shape = tuple(int(d) for d in shape)
   lead, dims = shape[:len(shape) - len(letters)], shape[len(shape) - len(letters):]
-  k = math.prod(dims[letters.index(c)] for c in in_letters)
+  k = contraction_size(path, shape)
   m = math.prod(dims) // k
   g = check_group(fmt, k, f"{path} (shape {shape})")
   rows = g // 2 if fmt.bits == 4 else g  # INT4 packs two rows per byte

@@ -52,9 +52,6 @@ class QuantFormat:
   def group_for(self, k: int) -> int:
     return self.group or k
 
-  def max_error(self, scale):
-    """Largest |w - dequant(quant(w))| round-to-nearest allows, per group: half a step."""
-    return 0.5 * scale
 
 
 def parse_format(name: str) -> QuantFormat:

@@ -19,8 +19,8 @@ from flax import nnx
 
 from infer.quant.formats import QuantFormat, dequantize_values, quantize_values, scales_for
 from infer.quant.qarray import to_matrix
-from infer.quant.quantize import decode, quantize_model
-from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
+from infer.quant.quantize import quantize_model, to_qarray
+from infer.quant.rules import axes_of, contraction_size, params_by_path, quant_plan
 
 
 def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 0.01,
@@ -95,18 +95,14 @@ class _Recorder:
     if memo is not None and memo[0] is x:   # q/k/v (and gate/up) share their input
       h_KK = memo[1]
     else:
-      x_NK = jnp.reshape(x, (-1, _matrix_k(self.key, self.value.shape))).astype(jnp.float32)
+      x_NK = jnp.reshape(x, (-1, contraction_size(self.key, self.value.shape)))
+      x_NK = x_NK.astype(jnp.float32)
       h_KK = np.asarray(2.0 * jnp.matmul(x_NK.T, x_NK, precision=jax.lax.Precision.HIGHEST),
                         np.float64)
       self.sink["_memo"] = (x, h_KK)
     h, n = self.sink.get(self.key, (0.0, 0))
     self.sink[self.key] = (h + h_KK, n + x.size // h_KK.shape[0])
     return jnp.einsum(spec, x, self.value.astype(dtype), **kwargs)
-
-
-def _matrix_k(path: str, shape) -> int:
-  letters = letters_of(path)
-  return int(np.prod([shape[letters.index(c)] for c in CONTRACTS[path.rsplit("/", 1)[-1]]]))
 
 
 def _hessians(module, paths, run) -> dict:
@@ -124,16 +120,14 @@ def _hessians(module, paths, run) -> dict:
   return {p: h / n for p, (h, n) in sink.items()}
 
 
-def _solve(module, path, key, fmt, h_KK, options):
+def _solve(module, path, fmt, h_KK, options):
   """GPTQ for one weight of `module`; leaves its dequantized values in place and returns
   (codes, scale, offset)."""
   var = params_by_path(module)[path]
   w = np.asarray(var[...], np.float32)
-  letters, in_letters = letters_of(key), CONTRACTS[key.rsplit("/", 1)[-1]]
+  letters, in_letters = axes_of(path)
   out = gptq(to_matrix(w, letters, in_letters), h_KK, fmt, **options)
-  order = in_letters + "".join(c for c in letters if c not in in_letters)
-  w_KM = decode(*out, fmt).reshape([w.shape[letters.index(c)] for c in order])
-  var.set_value(jnp.asarray(np.transpose(w_KM, [order.index(c) for c in letters])))
+  var.set_value(to_qarray(out, fmt, letters, in_letters, w.shape).dequantize())
   return out
 
 
@@ -168,15 +162,14 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
     hessians = _hessians(block, layer_plan, run_block)
     for p, fmt in layer_plan.items():
       try:
-        results[("blocks/" + p, layer)] = _solve(block, p, p, fmt, hessians[p], options)
+        results[("blocks/" + p, layer)] = _solve(block, p, fmt, hessians[p], options)
       except np.linalg.LinAlgError as e:
         raise ValueError(f"GPTQ of blocks/{p}, layer {layer}: {e} (raise damp, or calibrate "
                          "on more text)") from e
     xs = run_block(block)   # the next block sees this one's quantization error
   if "unembed_DV" in plan:
     h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]
-    results[("unembed_DV", None)] = _solve(model, "unembed_DV", "unembed_DV",
-                                           plan["unembed_DV"], h, options)
+    results[("unembed_DV", None)] = _solve(model, "unembed_DV", plan["unembed_DV"], h, options)
 
   rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]
   if rest:

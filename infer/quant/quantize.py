@@ -11,7 +11,7 @@ import numpy as np
 from infer.quant.formats import (QuantFormat, check_group, dequantize_values, pack_int4,
                                  quantize_values, scales_for)
 from infer.quant.qarray import QArray, arrange, to_matrix
-from infer.quant.rules import CONTRACTS, letters_of, params_by_path, quant_plan
+from infer.quant.rules import axes_of, params_by_path, quant_plan
 
 
 def encode(w_KM: np.ndarray, fmt: QuantFormat, where: str = "weight"):
@@ -59,8 +59,7 @@ def _as_f16(a):
 
 def layer_matrices(path: str, value) -> tuple[list[np.ndarray] | np.ndarray, tuple, bool]:
   """(w_KM per layer, or one w_KM; the parameter dims; stacked?) of a float parameter."""
-  letters = letters_of(path)
-  in_letters = CONTRACTS[path.rsplit("/", 1)[-1]]
+  letters, in_letters = axes_of(path)
   w = np.asarray(value, np.float32)
   dims = w.shape[w.ndim - len(letters):]
   if w.ndim == len(letters):
@@ -80,7 +79,7 @@ def quantize_model(model, rules, *, fit_groups: bool = False, method=None) -> di
   for path, fmt in plan.items():
     var = params[path]
     mats, dims, stacked = layer_matrices(path, var[...])
-    letters, in_letters = letters_of(path), CONTRACTS[path.rsplit("/", 1)[-1]]
+    letters, in_letters = axes_of(path)
 
     def one(i, w_KM, path=path, fmt=fmt):
       if not np.isfinite(w_KM).all():

@@ -13,6 +13,7 @@ The contraction letters of each parameter (the axes its einsum sums over) are
 fixed by the model code and listed in CONTRACTS.
 """
 
+import math
 import re
 
 from flax import nnx
@@ -26,7 +27,6 @@ CONTRACTS = {
     "gate_DF": "D", "up_DF": "D", "down_FD": "F",
     "embed_VD": "D", "unembed_DV": "D",
 }
-EMBEDDINGS = ("embed_VD", "unembed_DV")
 
 
 def default_rules(fmt: str, embeddings: str | None = "same") -> list[tuple[str, str | None]]:
@@ -39,7 +39,20 @@ def letters_of(path: str) -> str:
   return path.rsplit("/", 1)[-1].rsplit("_", 1)[-1]
 
 
-def _params(model) -> dict[str, nnx.Variable]:
+def axes_of(path: str) -> tuple[str, str]:
+  """(the parameter's letters, its contraction letters), e.g. ('NHD', 'NH')."""
+  return letters_of(path), CONTRACTS[path.rsplit("/", 1)[-1]]
+
+
+def contraction_size(path: str, shape) -> int:
+  """K of a parameter of `shape` (any leading stacked axes ignored)."""
+  letters, in_letters = axes_of(path)
+  dims = tuple(shape)[len(shape) - len(letters):]
+  return math.prod(int(dims[letters.index(c)]) for c in in_letters)
+
+
+def params_by_path(model) -> dict[str, nnx.Variable]:
+  """{path: the model's own Param variable}, for replacing values in place."""
   flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
   return {"/".join(str(k) for k in path): var for path, var in flat}
 
@@ -59,7 +72,7 @@ def quant_plan(model, rules, *, fit_groups: bool = False) -> dict[str, QuantForm
   the parameter and the sizes, unless `fit_groups` halves it until it does
   (reported in the plan, e.g. int4-g128 becomes int4-g64 on a 576-wide input).
   """
-  params = _params(model)
+  params = params_by_path(model)
   compiled = []
   for pattern, fmt in rules:
     compiled.append((re.compile(pattern), None if fmt is None else parse_format(fmt)))
@@ -74,7 +87,7 @@ def quant_plan(model, rules, *, fit_groups: bool = False) -> dict[str, QuantForm
           if isinstance(var[...], QArray):
             raise ValueError(f"{path} is already quantized ({var[...].fmt.name}); quantize "
                              "the float model instead")
-          k = _contraction_size(path, var.shape)
+          k = contraction_size(path, var.shape)
           if fit_groups:
             fmt = fit_group(fmt, k)
           check_group(fmt, k, f"{path} (shape {tuple(var.shape)})")
@@ -86,16 +99,3 @@ def quant_plan(model, rules, *, fit_groups: bool = False) -> dict[str, QuantForm
                      f"(quantizable: {', '.join(CONTRACTS)}; norms and MoE experts stay float)")
   return plan
 
-
-def _contraction_size(path: str, shape) -> int:
-  letters, name = letters_of(path), path.rsplit("/", 1)[-1]
-  dims = shape[len(shape) - len(letters):]
-  size = 1
-  for c in CONTRACTS[name]:
-    size *= dims[letters.index(c)]
-  return size
-
-
-def params_by_path(model) -> dict[str, nnx.Variable]:
-  """{path: the model's own Param variable}, for replacing values in place."""
-  return _params(model)
