@@ -153,9 +153,14 @@ def batch_of_requests(prompts, params):
 class Engine:
   """KV-cached generation for a model and its tokenizer; see the module docstring."""
 
+  ARCHS = ("decoder", "prefix_lm")  # a prefix-LM's prompt is its bidirectional prefix
+
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
                kv_dtype: str | None = None):
     kv_cache.check_kv_dtype(kv_dtype)
+    if model.cfg.arch not in self.ARCHS:
+      raise ValueError(f"{type(self).__name__} serves arch {self.ARCHS}, not "
+                       f"{model.cfg.arch!r} (encoder-decoder: infer.seq2seq; encoder: infer.embed)")
     limit = model.cfg.max_seq_len
     max_seq_len = limit if max_seq_len is None else max_seq_len
     if not 0 < max_seq_len <= limit:

@@ -16,6 +16,10 @@ chunks are bucketed (`bucket`), so a few compilations serve every request.
 dequantized per layer inside the jitted step just before attention, so the
 cache holds (1 + 4/H)/4 of the float32 bytes. The scales ride along in
 `k_scale_LBSK`/`v_scale_LBSK` (None for a float cache).
+
+A prefix-LM (arch="prefix_lm") cache also marks in `prefix_BS` the slots of
+the first chunk each row receives, its prompt: those keys are visible to every
+query of the prompt, as in training, and generation after them is causal.
 """
 
 import dataclasses
@@ -43,6 +47,7 @@ class KVCache(NamedTuple):
   lengths_B: jax.Array       # int32; tokens held per row = the next slot to write
   k_scale_LBSK: jax.Array | None = None  # float32 int8 steps; None: k, v are float
   v_scale_LBSK: jax.Array | None = None
+  prefix_BS: jax.Array | None = None     # int32 1: a prompt slot of a prefix-LM
 
   @property
   def max_len(self) -> int:
@@ -65,20 +70,22 @@ def constrain_cache(cache: KVCache) -> KVCache:
   """Pins the cache's sharding by logical names (a no-op outside a mesh)."""
   slots = lambda a: constrain(a, SLOT_AXES[:a.ndim])
   scale = lambda a: None if a is None else constrain(a, SCALE_AXES)
+  prefix = None if cache.prefix_BS is None else slots(cache.prefix_BS)
   return KVCache(constrain(cache.k_LBSKH, KV_AXES), constrain(cache.v_LBSKH, KV_AXES),
                  slots(cache.segment_ids_BS), slots(cache.positions_BS), slots(cache.lengths_B),
-                 scale(cache.k_scale_LBSK), scale(cache.v_scale_LBSK))
+                 scale(cache.k_scale_LBSK), scale(cache.v_scale_LBSK), prefix)
 
 
 def init(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> KVCache:
   """An empty cache of `max_len` slots per row: the model's compute dtype, or int8 + scales."""
   check_kv_dtype(kv_dtype)
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.decoder_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   zeros_BS = jnp.zeros((batch, max_len), jnp.int32)
   dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
-  scales = (jnp.zeros(shape[:-1], jnp.float32),) * 2 if kv_dtype == "int8" else ()
+  scales = (jnp.zeros(shape[:-1], jnp.float32),) * 2 if kv_dtype == "int8" else (None, None)
+  prefix = zeros_BS if cfg.arch == "prefix_lm" else None
   return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_BS,
-                                 zeros_BS, jnp.zeros((batch,), jnp.int32), *scales))
+                                 zeros_BS, jnp.zeros((batch,), jnp.int32), *scales, prefix))
 
 
 def head_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
@@ -91,7 +98,7 @@ def head_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> int:
   """Bytes of keys and values (and int8 scales) in a cache of `batch` rows of `max_len` slots."""
-  return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * head_bytes(cfg, kv_dtype)
+  return 2 * cfg.decoder_layers * batch * max_len * cfg.num_kv_heads * head_bytes(cfg, kv_dtype)
 
 
 def quantize(x_H):
@@ -120,19 +127,24 @@ class _Slots:
   segment_ids_BS: jax.Array
   positions_BS: jax.Array
   index_B: jax.Array
+  prefix_BS: jax.Array | None = None
 
-  def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+  def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+             bias_fn=None):
+    """`bias_fn`: a relative position bias (T5), computed from the query and slot positions."""
     if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 cache
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                               segment_ids_BT, cfg)
+                               segment_ids_BT, cfg, bias_fn)
     k_BSKH, v_BSKH = layer_cache
     names = KV_AXES[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B), names)
-    out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg)
+    out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
+                               bias_fn)
     return out_BTNH, (k_BSKH, v_BSKH)
 
-  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+                   bias_fn=None):
     """Writes the chunk quantized; attends over this layer's slots dequantized (never stored)."""
     k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK = layer_cache
     kq_BTKH, k_scale_BTK = quantize(k_BTKH)
@@ -143,14 +155,15 @@ class _Slots:
     v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
     out_BTNH = self._attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
                                dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
-                               segment_ids_BT, cfg)
+                               segment_ids_BT, cfg, bias_fn)
     return out_BTNH, (k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK)
 
-  def _attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg):
+  def _attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn):
     return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                      kv_segment_ids_BS=self.segment_ids_BS, q_positions_BT=positions_BT,
                      kv_positions_BS=self.positions_BS, causal=True,
-                     sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
+                     sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl,
+                     scale=cfg.scale, bias_fn=bias_fn, kv_prefix_BS=self.prefix_BS)
 
 
 def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False):
@@ -167,13 +180,19 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   n_B = jnp.sum(real_BT, axis=1)
   index_B = cache.lengths_B
   positions_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  prefix_BS = None
+  if cache.prefix_BS is not None:
+    # A row's first chunk is its prompt, the prefix-LM's bidirectional part.
+    first_BT = real_BT * (index_B == 0).astype(jnp.int32)[:, None]
+    prefix_BS = write_rows(cache.prefix_BS, first_BT, index_B)
   slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B),
-                 write_rows(cache.positions_BS, positions_BT, index_B), index_B)
+                 write_rows(cache.positions_BS, positions_BT, index_B), index_B, prefix_BS)
   logits, (k_LBSKH, v_LBSKH, *scales) = model.decode(
       tokens_BT, positions_BT, real_BT, cache.layers, slots,
       None if all_logits else jnp.maximum(n_B - 1, 0))
+  scales = scales or [None, None]
   return logits, constrain_cache(KVCache(k_LBSKH, v_LBSKH, slots.segment_ids_BS,
-                                         slots.positions_BS, index_B + n_B, *scales))
+                                         slots.positions_BS, index_B + n_B, *scales, prefix_BS))
 
 
 def truncate(cache: KVCache, lengths_B) -> KVCache:

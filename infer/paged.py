@@ -98,7 +98,11 @@ class _Pages:
   slot_BT: jax.Array
   lengths_B: jax.Array  # tokens cached per row once this chunk is written
 
-  def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+  def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+             bias_fn=None):
+    if bias_fn is not None:
+      raise NotImplementedError("the paged cache has no relative position bias (T5); serve "
+                                "encoder-decoder models with infer.seq2seq")
     if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 pool
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                segment_ids_BT, cfg)
@@ -144,7 +148,7 @@ def attend_gathered(q_BTNH, k_BSKH, v_BSKH, lengths_B, positions_BT, segment_ids
   return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                    kv_segment_ids_BS=kv_segment_ids_BS, q_positions_BT=positions_BT,
                    kv_positions_BS=kv_positions_BS, causal=True,
-                   sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
+                   sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl, scale=cfg.scale)
 
 
 def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:

@@ -51,6 +51,8 @@ def _pow2(n: int, minimum: int = 1) -> int:
 class PagedEngine(Engine):
   """Continuous batching with a paged KV cache; see the module docstring."""
 
+  ARCHS = ("decoder",)  # pages hold no prefix marks or position bias
+
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
                block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
                prefill_chunk: int = 256, prefix_caching: bool = True,

@@ -139,6 +139,10 @@ class SpeculativeDecoder:
   def __init__(self, target, draft, gamma: int = 4, max_seq_len: int | None = None, *,
                adaptive: bool = False, eos_id: int | None = None):
     cfg = target.cfg
+    draft_cfg = getattr(draft, "cfg", cfg)
+    if cfg.arch != "decoder" or draft_cfg.arch != "decoder":
+      raise ValueError("speculative decoding serves decoder-only models: target arch="
+                       f"{cfg.arch!r}, draft arch={draft_cfg.arch!r} (both must be 'decoder')")
     if not isinstance(gamma, (int, np.integer)) or not 1 <= gamma <= MAX_GAMMA:
       raise ValueError(f"gamma={gamma!r} must be an integer in [1, {MAX_GAMMA}]")
     if not isinstance(draft, (ModelDraft, PromptLookupDraft)):

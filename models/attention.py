@@ -5,12 +5,15 @@ decode (T = 1 query against S cached keys). Key j is visible to query i iff
 
   * kv_segment_ids[j] != 0 (0 marks padding and empty cache slots), and
     q_segment_ids[i] == kv_segment_ids[j] when query segment ids are given;
-  * causal: kv_pos[j] <= q_pos[i];
+  * causal: kv_pos[j] <= q_pos[i], or key j is in the row's bidirectional
+    prefix (kv_prefix[j], prefix-LM: the prompt sees itself both ways);
   * sliding_window W (needs causal): q_pos[i] - W < kv_pos[j].
 
 Positions default to indices (query i at i, key j at j); pass them when the
 queries are not the first T keys, as in decode. A query with no visible key
-gets a zero output (and zero gradients), never NaN.
+gets a zero output (and zero gradients), never NaN. `bias_fn(q_pos_BT,
+kv_pos_BS) -> bias [B|1, N, T, S]` adds a float32 bias to the scores (T5's
+relative positions); it runs on the naive kernel.
 
 Implementations (`impl`):
 
@@ -53,7 +56,8 @@ _reported = set()
 
 def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_BS=None,
               q_positions_BT=None, kv_positions_BS=None, causal=True, sliding_window=None,
-              impl="auto", block_q=512, block_kv=512, scale=None):
+              impl="auto", block_q=512, block_kv=512, scale=None, kv_prefix_BS=None,
+              bias_fn=None):
   """softmax(q·kᵀ·scale + mask)·v per head -> out_BTNH; query head n reads kv head n // (N/K).
 
   `scale` defaults to H^-0.5; `block_q`/`block_kv` size the blockwise (and Pallas) tiles.
@@ -71,13 +75,21 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_B
     raise ValueError("give both q_positions_BT and kv_positions_BS, or neither")
   if not (isinstance(block_q, int) and isinstance(block_kv, int) and block_q > 0 and block_kv > 0):
     raise ValueError(f"block_q={block_q!r}, block_kv={block_kv!r} must be positive integers")
+  if kv_prefix_BS is not None and not causal:
+    raise ValueError("kv_prefix_BS (a prefix-LM mask) needs causal=True: without causality "
+                     "every key is visible already")
   window = int(sliding_window or 0)
   if window < 0 or (window and not causal):
     raise ValueError(f"sliding_window={sliding_window!r} must be >= 0 and needs causal=True")
   scale = h ** -0.5 if scale is None else scale
-  spec = _Spec(causal, window, q_segment_ids_BT is not None, scale, block_q, block_kv)
+  spec = _Spec(causal, window, q_segment_ids_BT is not None, scale, block_q, block_kv,
+               kv_prefix_BS is not None)
   args = (q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT, kv_segment_ids_BS, q_positions_BT,
-          kv_positions_BS)
+          kv_positions_BS, kv_prefix_BS)
+  if bias_fn is not None:
+    if impl not in ("auto", "naive"):
+      _report(impl, "a position bias (bias_fn) runs on the naive kernel only", True)
+    return _naive(*args, spec, bias_fn=bias_fn)
 
   explicit = impl in ("cudnn", "pallas")
   if impl == "auto":
@@ -105,14 +117,17 @@ class _Spec:
   scale: float
   block_q: int
   block_kv: int
+  prefix: bool = False  # kv_prefix given: prefix keys are visible to every query of the segment
 
 
-def _visible(q_pos, q_seg, kv_pos, kv_seg, spec: _Spec, empty_keys=True):
+def _visible(q_pos, q_seg, kv_pos, kv_seg, spec: _Spec, empty_keys=True, kv_prefix=None):
   """The mask [B|1, T, S]: True where query t may attend key s. Segment ids may be None;
   `empty_keys=False` skips the segment-0 test on keys (the caller handles padding)."""
   vis_BTS = jnp.ones((1, 1, 1), bool)
   if spec.causal:
     vis_BTS = kv_pos[:, None, :] <= q_pos[:, :, None]
+    if spec.prefix:
+      vis_BTS = vis_BTS | (kv_prefix != 0)[:, None, :]
   if spec.match_segments:
     vis_BTS = vis_BTS & (q_seg[:, :, None] == kv_seg[:, None, :])
   if kv_seg is not None and empty_keys:
@@ -132,7 +147,8 @@ def _positions(q_BTNH, k_BSKH, q_pos, kv_pos):
 
 # ----------------------------------------------------------------------------- naive
 
-def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, spec: _Spec):
+def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec: _Spec,
+           bias_fn=None):
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   # Self-attention over one segment-id array (training): a query in a segment sees at
@@ -145,7 +161,11 @@ def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, spec: _Spec):
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
   scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32)
   scores_BKGTS = scores_BKGTS * spec.scale
-  mask_B11TS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec, empty_keys=not self_attention)
+  if bias_fn is not None:
+    bias_BNTS = bias_fn(q_pos, kv_pos).astype(jnp.float32)
+    scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(bias_BNTS.shape[0], k, n // k, t, -1)
+  mask_B11TS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec, empty_keys=not self_attention,
+                        kv_prefix=kv_prefix)
   mask_B11TS = mask_B11TS[:, None, None]
   scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
   probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
@@ -161,7 +181,7 @@ def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, spec: _Spec):
 
 # ----------------------------------------------------------------------------- blockwise
 
-def _blockwise(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, spec: _Spec):
+def _blockwise(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec: _Spec):
   b, t, n, h = q_BTNH.shape
   s, k = k_BSKH.shape[1:3]
   q_pos, kv_pos = _positions(q_BTNH, k_BSKH, q_pos, kv_pos)
@@ -174,8 +194,11 @@ def _blockwise(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, spec: _Spec
   # Padded query rows are cut off at the end.
   pad = lambda x, to: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
   q_BTKGH = pad(q_BTNH, tp).reshape(b, tp, k, n // k, h)
+  kv_info = (pad(kv_pos, sp), pad(kv_seg, sp))
+  if spec.prefix:
+    kv_info += (pad(kv_prefix.astype(jnp.int32), sp),)
   out_BTKGH = _flash(q_BTKGH, pad(k_BSKH, sp), pad(v_BSKH, sp),
-                     (pad(q_pos, tp), pad(q_seg, tp)), (pad(kv_pos, sp), pad(kv_seg, sp)), spec)
+                     (pad(q_pos, tp), pad(q_seg, tp)), kv_info, spec)
   return out_BTKGH.reshape(b, tp, n, h)[:, :t]
 
 
@@ -209,8 +232,8 @@ def _flash_fwd(q_BTKGH, k_BSKH, v_BSKH, q_info, kv_info, spec):
     q_BTKGH, q_pos, q_seg = xs
 
     def kv_step(carry, ys):
-      k_BSKH, v_BSKH, kv_pos, kv_seg = ys
-      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec)
+      k_BSKH, v_BSKH, kv_pos, kv_seg, *kv_prefix = ys
+      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec, kv_prefix=(kv_prefix or [None])[0])
 
       def update(carry):
         m_BKGT, l_BKGT, acc_BKGTH = carry
@@ -252,11 +275,12 @@ def _flash_bwd(spec, res, dout_BTKGH):
   zeros_dq = jnp.zeros(q_blocks[0].shape, jnp.float32)
 
   def kv_block(dq_QBTKGH, xs):
-    k_BSKH, v_BSKH, kv_pos, kv_seg = xs
+    k_BSKH, v_BSKH, kv_pos, kv_seg, *kv_prefix = xs
 
     def q_step(carry, ys):
       q_BTKGH, do_BTKGH, lse_BKGT, delta_BKGT, q_pos, q_seg = ys
-      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec)
+      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec,
+                          kv_prefix=(kv_prefix or [None])[0])
 
       def update(carry):
         dk_BSKH, dv_BSKH = carry
@@ -297,12 +321,14 @@ def _report(impl, reason, explicit):
     (_log.warning if explicit else _log.info)("attention impl=%s falls back: %s", impl, reason)
 
 
-def _fast_path_refusal(impl, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos):
+def _fast_path_refusal(impl, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix):
   """Why `impl` cannot run this call (None: it can). Decided at trace time from static facts."""
   platform = {"cudnn": "gpu", "pallas": "tpu"}[impl]
   t, h = q_BTNH.shape[1], q_BTNH.shape[3]
   if jax.default_backend() != platform:
     return f"not on a {platform.upper()} (backend {jax.default_backend()!r})"
+  if kv_prefix is not None:
+    return "a prefix-LM mask (the kernel's masks are causal or full)"
   if q_pos is not None:
     return "explicit positions (the kernel masks by index): decode or offset queries"
   if t != k_BSKH.shape[1]:

@@ -11,6 +11,12 @@ MOE_IMPLS = ("dropless", "capacity")
 ROUTER_NORMS = ("topk", "all")
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
 ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "pallas")
+ARCHS = ("decoder", "prefix_lm", "encoder", "encoder_decoder")
+NORMS = ("rms", "layer")
+NORM_POSITIONS = ("pre", "post")
+MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu")
+POSITIONS = ("rope", "learned", "relative", "none")
+POOLINGS = ("mean", "cls")
 
 
 class ConfigError(ValueError):
@@ -52,6 +58,21 @@ class ModelConfig:
   z_loss_weight: float = 0.0     # router z-loss weight (ST-MoE uses 1e-3)
   router_bias_rate: float = 0.0  # >0: auxiliary-loss-free balancing bias step (DeepSeek-V3)
   grouped_matmul: str = "auto"   # dropless kernel; "auto": tiled on CPU, ragged_dot elsewhere
+  # Architecture (models/registry.py). The same Attention/MLP/norm modules serve every one.
+  arch: str = "decoder"          # decoder | prefix_lm (bidirectional prompt) | encoder | encoder_decoder
+  norm: str = "rms"              # rms (RMSNorm, T5's layer norm too) | layer (LayerNorm with bias)
+  norm_position: str = "pre"     # pre: x + f(norm(x)); post (BERT): norm(x + f(x))
+  mlp_activation: str = "swiglu"  # swiglu | geglu (gated tanh-GELU, T5 v1.1) | gelu (erf) | relu
+  use_bias: bool = False         # biases on the q/k/v/o and MLP projections (BERT)
+  position: str = "rope"         # rope | learned (absolute table) | relative (T5 buckets) | none
+  type_vocab_size: int = 0       # >0: token-type (segment A/B) embeddings, BERT
+  relative_buckets: int = 32     # position="relative": buckets per direction pair
+  relative_max_distance: int = 128  # distance beyond which all offsets share the last bucket
+  attention_scale: float = 0.0   # 0: head_dim**-0.5; T5 folds the scale into its init (1.0)
+  num_decoder_layers: int = 0    # encoder_decoder: decoder depth (0: num_layers)
+  decoder_vocab_size: int = 0    # encoder_decoder: must equal vocab_size (one shared table)
+  pooling: str = "mean"          # encoder: sentence embedding / classifier input, mean | cls
+  num_classes: int = 0           # encoder: >0 adds a classification head
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
@@ -68,7 +89,7 @@ class ModelConfig:
       raise ConfigError(
           f"model.num_heads={self.num_heads} is not a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}")
-    if self.head_dim % 2:
+    if self.head_dim % 2 and self.position == "rope":
       raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
@@ -83,6 +104,58 @@ class ModelConfig:
                         "(0: no window)")
     if self.num_experts:
       self._check_moe()
+    self._check_arch()
+
+  def _check_arch(self):
+    for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("norm_position", NORM_POSITIONS),
+                          ("mlp_activation", MLP_ACTIVATIONS), ("position", POSITIONS),
+                          ("pooling", POOLINGS)):
+      if getattr(self, name) not in allowed:
+        raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {allowed}")
+    for name in ("type_vocab_size", "num_decoder_layers", "decoder_vocab_size", "num_classes"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 0:
+        raise ConfigError(f"model.{name} must be an integer >= 0, got {v!r}")
+    if self.attention_scale < 0:
+      raise ConfigError(f"model.attention_scale={self.attention_scale} must be >= 0 "
+                        "(0: head_dim**-0.5)")
+    if self.position == "relative":
+      b, m = self.relative_buckets, self.relative_max_distance
+      if not isinstance(b, int) or b < 4 or b % 2:
+        raise ConfigError(f"model.relative_buckets={b!r} must be an even integer >= 4 (half "
+                          "exact offsets, half log-spaced; bidirectional halves them again)")
+      if not isinstance(m, int) or m <= b // 2:
+        raise ConfigError(f"model.relative_max_distance={m!r} must exceed relative_buckets/2="
+                          f"{b // 2}, where the log-spaced buckets start")
+    enc_dec = self.arch == "encoder_decoder"
+    if self.num_decoder_layers and not enc_dec:
+      raise ConfigError(f"model.num_decoder_layers={self.num_decoder_layers} is only for "
+                        f"arch='encoder_decoder', not arch={self.arch!r}")
+    if self.decoder_vocab_size and self.decoder_vocab_size != self.vocab_size:
+      raise ConfigError(
+          f"mismatched vocabularies: model.vocab_size={self.vocab_size} (encoder) but "
+          f"model.decoder_vocab_size={self.decoder_vocab_size}; an encoder-decoder shares one "
+          "vocabulary and embedding table, so use one tokenizer for source and target")
+    if self.decoder_vocab_size and not enc_dec:
+      raise ConfigError("model.decoder_vocab_size is only for arch='encoder_decoder'")
+    if (self.type_vocab_size or self.num_classes) and self.arch != "encoder":
+      raise ConfigError("model.type_vocab_size and model.num_classes are encoder options; "
+                        f"arch={self.arch!r}")
+    if self.arch in ("encoder", "encoder_decoder") and self.num_experts:
+      raise ConfigError(f"arch={self.arch!r} with num_experts={self.num_experts}: mixture-of-"
+                        "experts blocks are supported in decoder and prefix_lm models only")
+    if self.arch == "encoder" and self.sliding_window:
+      raise ConfigError("model.sliding_window needs causal attention; arch='encoder' is "
+                        "bidirectional")
+
+  @property
+  def decoder_layers(self) -> int:
+    """Depth of the decoder stack (the only stack, except in an encoder-decoder)."""
+    return self.num_decoder_layers or self.num_layers
+
+  @property
+  def scale(self) -> float:
+    return self.attention_scale or self.head_dim ** -0.5
 
   def _check_moe(self):
     e, k = self.num_experts, self.top_k
@@ -141,7 +214,19 @@ class ModelConfig:
     bias = 0 if active or not self.router_bias_rate else self.num_experts
     return 3 * d * f * experts + 3 * d * self.shared_mlp_dim + d * self.num_experts + bias
 
+  @property
+  def llama_shaped(self) -> bool:
+    """A decoder whose parameters the closed form below counts (gated MLP, no biases)."""
+    return (self.arch in ("decoder", "prefix_lm") and self.norm == "rms" and not self.use_bias
+            and self.position in ("rope", "none") and self.mlp_activation in ("swiglu", "geglu"))
+
   def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+    if not self.llama_shaped:
+      if active or not include_embedding:
+        raise ValueError(f"num_params(include_embedding=False/active=True) is defined for "
+                         f"Llama-shaped decoders; arch={self.arch!r}: use models.param_count")
+      from models.registry import param_count  # counts the abstract model's arrays
+      return param_count(self)
     d, h = self.d_model, self.head_dim
     attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
     per_layer = attn + self.mlp_params(active) + 2 * d

@@ -1,6 +1,9 @@
-"""Decoder building blocks: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""The building blocks every architecture shares: norms, rotary embeddings, attention, MLP.
 
-Every parameter carries logical axis names in its `out_sharding` metadata and
+One Attention serves causal, bidirectional, prefix-LM and cross-attention, with
+or without biases, rotary embeddings or a relative position bias; one MLP
+serves SwiGLU, GEGLU, GELU and ReLU. Architectures (models/registry.py) only
+choose among them by config. Every parameter carries logical axis names in its `out_sharding` metadata and
 large activations are constrained by logical name; see docs/architecture.md for
 the dimension letters used in variable names and einsums.
 """
@@ -18,6 +21,15 @@ def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float) -> nnx.Pa
   value = std * jax.random.normal(rngs.params(), shape, cfg.jnp_param_dtype)
   # Shardings are applied by parallel/ when the model is created under jit.
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _zeros(shape, names, cfg: ModelConfig) -> nnx.Param:
+  return nnx.Param(jnp.zeros(shape, cfg.jnp_param_dtype), out_sharding=names,
+                   eager_sharding=False)
+
+
+def _add_bias(x, b: nnx.Param | None, dtype):
+  return x if b is None else x + b[...].astype(dtype)
 
 
 def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
@@ -42,7 +54,7 @@ def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * scale, computed in float32."""
+  """y = x / rms(x) * scale, computed in float32 (T5's "layer norm" is this too)."""
 
   def __init__(self, cfg: ModelConfig):
     self.eps = cfg.norm_eps
@@ -54,6 +66,26 @@ class RMSNorm(nnx.Module):
     x = x_BTD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
     return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(RMSNorm):
+  """y = (x - mean) / std * scale + bias, computed in float32 (BERT)."""
+
+  def __init__(self, cfg: ModelConfig):
+    super().__init__(cfg)
+    self.bias = _zeros((cfg.d_model,), ("embed",), cfg)
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    x = x_BTD.astype(jnp.float32)
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    y = x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+def Norm(cfg: ModelConfig) -> RMSNorm:  # noqa: N802 (a module factory, used like a class)
+  """The norm `cfg.norm` names."""
+  return LayerNorm(cfg) if cfg.norm == "layer" else RMSNorm(cfg)
 
 
 def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
@@ -69,7 +101,14 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention: N query heads share K key/value heads in groups of G."""
+  """Grouped-query attention: N query heads share K key/value heads in groups of G.
+
+  One module for every use: self-attention (causal, bidirectional or prefix-LM,
+  by the call's `causal`/`prefix_BT`) and cross-attention (`kv_BSD`: keys and
+  values from another sequence, e.g. an encoder's output). `cfg.position`
+  decides whether rotary embeddings are applied (only to self-attention);
+  a relative position bias arrives as `bias_fn` (models/positions.py).
+  """
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -79,64 +118,123 @@ class Attention(nnx.Module):
     self.wk_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
     self.wv_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
     self.wo_NHD = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg, std)
+    if cfg.use_bias:
+      self.bq_NH = _zeros((n, h), ("heads", "head_dim"), cfg)
+      self.bk_KH = _zeros((k, h), ("kv_heads", "head_dim"), cfg)
+      self.bv_KH = _zeros((k, h), ("kv_heads", "head_dim"), cfg)
+      self.bo_D = _zeros((d,), ("embed",), cfg)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+  def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
+               bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None):
+    """Self-attention over x_BTD, or cross-attention to kv_BSD (never causal, no rotary).
+
+    Segment ids separate packed documents (0: padding); in cross-attention a
+    query sees the keys of its own segment in kv_segment_ids_BS.
+    """
     cfg = self.cfg
-    q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT)
-
-    # Training/prefill self-attention: causality by index (packed rows restart
-    # positions per segment, which the segment ids already separate).
-    out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
-                         kv_segment_ids_BS=segment_ids_BT, causal=True,
-                         sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl)
+    if kv_BSD is None:
+      q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT)
+      # Training/prefill: causality by index (packed rows restart positions per
+      # segment, which the segment ids already separate).
+      out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
+                           kv_segment_ids_BS=segment_ids_BT, causal=causal,
+                           kv_prefix_BS=prefix_BT, bias_fn=bias_fn,
+                           sliding_window=(cfg.sliding_window or None) if causal else None,
+                           impl=cfg.attention_impl, scale=cfg.scale)
+    else:
+      q_BTNH = self._q(x_BTD, None)
+      k_BSKH, v_BSKH = self._kv(kv_BSD, None)
+      out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
+                           kv_segment_ids_BS=kv_segment_ids_BS, causal=False, bias_fn=bias_fn,
+                           impl=cfg.attention_impl, scale=cfg.scale)
     return self._out(out_BTNH)
 
-  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache):
-    """Cached attention (inference): (out_BTD, layer_cache).
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache, bias_fn=None):
+    """Cached causal self-attention (inference): (out_BTD, layer_cache).
 
     `cache` (infer/kv_cache.py, infer/paged.py) decides where keys live: its
     `attend` stores this chunk's keys and values in `layer_cache` and attends
     over everything the row may see. Same projections as `__call__`.
     """
     q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+    extra = {} if bias_fn is None else {"bias_fn": bias_fn}
     out_BTNH, layer_cache = cache.attend(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                                         segment_ids_BT, self.cfg)
+                                         segment_ids_BT, self.cfg, **extra)
     return self._out(out_BTNH), layer_cache
 
   def _qkv(self, x_BTD, positions_BT):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
+    return (self._q(x_BTD, positions_BT), *self._kv(x_BTD, positions_BT))
+
+  def _q(self, x_BTD, positions_BT):
     cfg = self.cfg
     dt = cfg.jnp_dtype
-    q_BTNH = project("BTD,DNH->BTNH", x_BTD, self.wq_DNH, dt)
-    k_BTKH = project("BTD,DKH->BTKH", x_BTD, self.wk_DKH, dt)
-    v_BTKH = project("BTD,DKH->BTKH", x_BTD, self.wv_DKH, dt)
-    q_BTNH = constrain(rope(q_BTNH, positions_BT, cfg.rope_theta),
-                       ("act_batch", "act_seq", "act_heads", None))
-    k_BTKH = constrain(rope(k_BTKH, positions_BT, cfg.rope_theta),
-                       ("act_batch", "act_seq", "act_kv_heads", None))
-    v_BTKH = constrain(v_BTKH, ("act_batch", "act_seq", "act_kv_heads", None))
-    return q_BTNH, k_BTKH, v_BTKH
+    q_BTNH = _add_bias(project("BTD,DNH->BTNH", x_BTD, self.wq_DNH, dt), self._b("bq_NH"), dt)
+    if positions_BT is not None and cfg.position == "rope":
+      q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
+    return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
+
+  def _kv(self, x_BSD, positions_BS):
+    cfg = self.cfg
+    dt = cfg.jnp_dtype
+    k_BSKH = _add_bias(project("BTD,DKH->BTKH", x_BSD, self.wk_DKH, dt), self._b("bk_KH"), dt)
+    v_BSKH = _add_bias(project("BTD,DKH->BTKH", x_BSD, self.wv_DKH, dt), self._b("bv_KH"), dt)
+    if positions_BS is not None and cfg.position == "rope":
+      k_BSKH = rope(k_BSKH, positions_BS, cfg.rope_theta)
+    return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),
+            constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)))
+
+  def _b(self, name):
+    return getattr(self, name) if self.cfg.use_bias else None
 
   def _out(self, out_BTNH):
     dt = self.cfg.jnp_dtype
-    out_BTD = project("BTNH,NHD->BTD", out_BTNH, self.wo_NHD, dt)
+    out_BTD = _add_bias(project("BTNH,NHD->BTD", out_BTNH, self.wo_NHD, dt), self._b("bo_D"), dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
 
+_ACTIVATIONS = {
+    "swiglu": jax.nn.silu,
+    "geglu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+}
+
+
 class MLP(nnx.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """down(act(gate(x)) * up(x)) for the gated activations (swiglu, geglu), else down(act(up(x)))."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.mlp_dim
     self.dtype = cfg.jnp_dtype
-    self.gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
+    self.activation = cfg.mlp_activation
+    self.use_bias = cfg.use_bias
+    if self.gated:
+      self.gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
     self.up_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
     self.down_FD = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.init_std)
+    if cfg.use_bias:
+      if self.gated:
+        self.gate_F = _zeros((f,), ("mlp",), cfg)
+      self.up_F = _zeros((f,), ("mlp",), cfg)
+      self.down_D = _zeros((d,), ("embed",), cfg)
+
+  @property
+  def gated(self) -> bool:
+    return self.activation in ("swiglu", "geglu")
 
   def __call__(self, x_BTD):
     dt = self.dtype
-    gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate_DF, dt)
-    up_BTF = project("BTD,DF->BTF", x_BTD, self.up_DF, dt)
-    h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_seq", "act_mlp"))
-    out_BTD = project("BTF,FD->BTD", h_BTF, self.down_FD, dt)
+    act = _ACTIVATIONS[self.activation]
+    up_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.up_DF, dt),
+                       self.up_F if self.use_bias else None, dt)
+    if self.gated:
+      gate_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.gate_DF, dt),
+                           self.gate_F if self.use_bias else None, dt)
+      h_BTF = act(gate_BTF) * up_BTF
+    else:
+      h_BTF = act(up_BTF)
+    h_BTF = constrain(h_BTF, ("act_batch", "act_seq", "act_mlp"))
+    out_BTD = _add_bias(project("BTF,FD->BTD", h_BTF, self.down_FD, dt),
+                        self.down_D if self.use_bias else None, dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))

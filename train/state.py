@@ -12,7 +12,7 @@ from flax import nnx
 
 import models
 import parallel
-from models import ModelConfig, Transformer
+from models import ModelConfig, create_model
 
 
 def abstract_model(model_cfg: ModelConfig):
@@ -48,7 +48,7 @@ def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
 
   if params is None:
     def init():
-      model = Transformer(model_cfg, nnx.Rngs(seed))
+      model = create_model(model_cfg, nnx.Rngs(seed))
       return _assemble(nnx.state(model, nnx.Param), tx, seed)
     with jax.set_mesh(mesh):
       state = jax.jit(init, out_shardings=shardings)()

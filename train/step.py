@@ -1,7 +1,10 @@
 """Pure, jitted steps: `train_step(state, batch) -> (state, metrics)` and `eval_step`.
 
 A batch is a dict of int32 [B, T] arrays: inputs, targets, segment_ids (0 marks
-padding) and positions. Gradient accumulation splits B into `grad_accum`
+padding) and positions; optionally loss_mask (1: this target counts; default:
+every real token) and the architecture's own inputs (models.registry.EXTRA_INPUTS:
+a prefix-LM's `prefix`, an encoder-decoder's `enc_inputs`, `enc_segment_ids`,
+`enc_positions`, which are [B, S]). Gradient accumulation splits B into `grad_accum`
 microbatches and scans over them, weighting every real token equally, so one
 step is exactly one optimizer update on the whole batch.
 """
@@ -13,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from models.registry import model_inputs
 from train import moe_metrics as moe
 
 
@@ -25,8 +29,10 @@ def forward_loss(graphdef, params, batch):
   """(summed token loss, real-token count, per-layer MoE stats or {})."""
   model = nnx.merge(graphdef, params)
   logits_BTV, stats = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                            return_stats=True)
+                            return_stats=True, **model_inputs(model.cfg, batch))
   mask_BT = (batch["segment_ids"] > 0).astype(jnp.float32)
+  if "loss_mask" in batch:
+    mask_BT = mask_BT * (batch["loss_mask"] > 0).astype(jnp.float32)
   loss_sum = jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT)
   return loss_sum, jnp.sum(mask_BT), stats
 
@@ -41,7 +47,10 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
   optimizer state unchanged (the step still counts) and reports `skipped`=1.
   `inject_nan` poisons the gradients: a test hook for that path."""
   params = state["params"]
-  total_tokens = jnp.maximum(jnp.sum(batch["segment_ids"] > 0), 1).astype(jnp.float32)
+  counted_BT = batch["segment_ids"] > 0
+  if "loss_mask" in batch:
+    counted_BT = counted_BT & (batch["loss_mask"] > 0)
+  total_tokens = jnp.maximum(jnp.sum(counted_BT), 1).astype(jnp.float32)
   cfg = nnx.merge(graphdef, params).cfg  # trace-time only: the model's static config
 
   def micro_loss(p, mb):

@@ -1,0 +1,60 @@
+"""Token embeddings in and logits out, the same for every architecture.
+
+`Embeddings` is mixed into each model class, so the tables keep their short
+names (`embed_VD`, `unembed_DV`, `pos_PD`, `type_YD`) at the top of every
+model and checkpoint converters, quantization and sharding see one layout.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import Norm, _param, lookup, project
+from parallel import constrain
+
+
+class Embeddings(nnx.Module):
+  """Token (+ learned position, + token type) embeddings; a tied or separate unembedding."""
+
+  def _init_embeddings(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    std = cfg.init_std
+    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg, std)
+    if cfg.position == "learned":
+      self.pos_PD = _param(rngs, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), cfg, std)
+    if cfg.type_vocab_size:
+      self.type_YD = _param(rngs, (cfg.type_vocab_size, cfg.d_model), ("types", "embed"), cfg,
+                            std)
+    if cfg.norm_position == "post":
+      # Post-norm blocks take normalised inputs: BERT normalises the embedding sum.
+      self.embed_norm = Norm(cfg)
+
+  def _init_unembed(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    """A separate output table unless the embeddings are tied (created last: the init order
+    decides which random numbers each table gets)."""
+    if not cfg.tie_embeddings:
+      self.unembed_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg,
+                               cfg.init_std)
+
+  def _embed(self, tokens_BT, positions_BT=None, type_ids_BT=None):
+    cfg = self.cfg
+    dt = cfg.jnp_dtype
+    x_BTD = lookup(self.embed_VD, tokens_BT, dt)
+    if cfg.position == "learned":
+      x_BTD = x_BTD + lookup(self.pos_PD, positions_BT, dt)
+    if cfg.type_vocab_size:
+      types_BT = jnp.zeros_like(tokens_BT) if type_ids_BT is None else type_ids_BT
+      x_BTD = x_BTD + lookup(self.type_YD, types_BT, dt)
+    if cfg.norm_position == "post":
+      x_BTD = self.embed_norm(x_BTD)
+    return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
+
+  def _unembed(self, x_BTD):
+    """logits_BTV in float32 from final hidden states (already normalised)."""
+    cfg = self.cfg
+    if cfg.tie_embeddings:
+      logits_BTV = project("BTD,VD->BTV", x_BTD, self.embed_VD, cfg.jnp_dtype,
+                           preferred_element_type=jnp.float32)
+    else:
+      logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype,
+                           preferred_element_type=jnp.float32)
+    return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
