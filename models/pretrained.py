@@ -1,4 +1,4 @@
-"""`load_pretrained`: a Hugging Face directory or a GGUF file -> (Transformer, Tokenizer).
+"""`load_pretrained`: a Hugging Face directory or a GGUF file -> (model, Tokenizer).
 
 The model is built abstractly with `nnx.eval_shape` (no random initialisation, no
 device memory) and the checkpoint's arrays are then put in place with `nnx.update`.
@@ -23,19 +23,32 @@ GGUF_MAGIC = b"GGUF"
 def build_model(cfg: ModelConfig, read, names, mesh=None, ready=None) -> Transformer:
   """Fills an abstract model from tensors under Hugging Face names (see hf_io.params_from_hf).
 
-  With `mesh`, each array is placed straight into its sharding from the params'
-  logical axis names, so no single device ever holds the whole model.
   `ready(abstract_params) -> ({path: value}, tensor names used)` supplies some
   parameters whole (GGUF weights kept quantized); the rest are read as usual.
   """
+
+  def params_fn(state):
+    done, used = ready(state) if ready is not None else ({}, set())
+    if done and mesh is not None:
+      raise ValueError("quantized weights cannot be placed on a mesh yet; load without mesh=")
+    rest = nnx.filter_state(state, lambda path, _: tuple(path) not in done) if done else state
+    params = hf_io.params_from_hf(cfg, rest, read, [n for n in names if n not in used])
+    params.update(done)
+    return params
+
+  return build_from_params(cfg, params_fn, mesh)
+
+
+def build_from_params(cfg: ModelConfig, params_fn, mesh=None):
+  """The model cfg.arch names, built abstractly and filled with `params_fn(abstract_params)`
+  -> {param path: numpy array (or a value already on device)}.
+
+  With `mesh`, each array is placed straight into its sharding from the params'
+  logical axis names, so no single device ever holds the whole model.
+  """
   model = abstract_model(cfg)
   state = nnx.state(model, nnx.Param)
-  done, used = ready(state) if ready is not None else ({}, set())
-  if done and mesh is not None:
-    raise ValueError("quantized weights cannot be placed on a mesh yet; load without mesh=")
-  rest = nnx.filter_state(state, lambda path, _: tuple(path) not in done) if done else state
-  params = hf_io.params_from_hf(cfg, rest, read, [n for n in names if n not in used])
-  params.update(done)
+  params = params_fn(state)
   shardings = None
   if mesh is not None:
     from parallel import logical_shardings  # only needed when sharding
@@ -46,7 +59,7 @@ def build_model(cfg: ModelConfig, read, names, mesh=None, ready=None) -> Transfo
     keys = tuple(k.key for k in path)
     arr = params.pop(keys)  # drop host copies as we go
     if not isinstance(arr, np.ndarray):
-      return arr  # supplied whole by `ready`, already on device
+      return arr  # supplied whole (e.g. quantized), already on device
     if shardings is None:
       return jnp.asarray(arr)
     sharding = shardings
@@ -68,6 +81,14 @@ def _is_gguf(path: str) -> bool:
 
 def _load_hf_dir(directory: str, mesh=None, **dtypes):
   cfg_dict = hf_io.read_config(directory)
+  model_type = cfg_dict.get("model_type")
+  # Imported lazily: each family's loader is only needed for its own checkpoints.
+  if model_type == "bert":
+    from models import hf_bert
+    return hf_bert.load(directory, mesh=mesh, **dtypes)
+  if model_type == "t5":
+    from models import hf_t5
+    return hf_t5.load(directory, mesh=mesh, **dtypes)
   cfg = hf_io.config_from_hf(cfg_dict, source=os.path.join(directory, hf_io.CONFIG_FILE), **dtypes)
   tensors = hf_io.SafetensorsDir(directory)  # raises if there are no safetensors
   tokenizer = None
@@ -79,8 +100,12 @@ def _load_hf_dir(directory: str, mesh=None, **dtypes):
 
 
 def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
-                    mesh=None, quantized: bool = False) -> tuple[Transformer, Tokenizer | None]:
-  """Loads a Llama/Mixtral checkpoint: an HF directory (config.json + safetensors) or a .gguf.
+                    mesh=None, quantized: bool = False) -> tuple[nnx.Module, Tokenizer | None]:
+  """Loads a checkpoint: an HF directory (config.json + safetensors) or a Llama .gguf.
+
+  An HF directory's config.json `model_type` picks the model: "llama"/"mixtral" ->
+  Transformer (models/hf_io.py), "bert" -> Encoder (models/hf_bert.py, sentence-
+  transformers directories included), "t5" -> EncoderDecoder (models/hf_t5.py).
 
   dtype (compute) / param_dtype (storage), each 'float32', 'bfloat16' or 'float16',
   override the defaults: an HF checkpoint keeps its stored dtype for both, a GGUF is

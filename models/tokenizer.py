@@ -17,11 +17,17 @@ class Tokenizer:
 
   def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None,
                eos_id: int | None = None, pad_id: int | None = None,
-               chat_template: str | None = None, add_bos: bool = False):
+               chat_template: str | None = None, add_bos: bool = False,
+               max_len: int | None = None):
+    # A tokenizer.json may carry padding/truncation settings (BERT's pads every text to 128
+    # tokens); we pad batches ourselves and never drop tokens silently, so both are off.
+    tok.no_padding()
+    tok.no_truncation()
     self.tok = tok
     self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
     self.chat_template = chat_template
     self.add_bos = add_bos
+    self.max_len = max_len  # longest input the model takes (sentence-transformers' max_seq_length)
 
   @property
   def vocab_size(self) -> int:
@@ -33,6 +39,17 @@ class Tokenizer:
     if add_bos and self.bos_id is not None:
       ids = [self.bos_id] + ids
     return ids
+
+  def encode_special(self, text: str, max_len: int | None = None) -> list[int]:
+    """Ids with tokenizer.json's post-processor specials ([CLS] text [SEP] for BERT), the text
+    cut so that the whole fits max_len, as transformers' truncation=True does."""
+    enc = self.tok.encode(text, add_special_tokens=False)
+    if max_len is not None:
+      room = max_len - self.tok.num_special_tokens_to_add(is_pair=False)
+      if room < 1:
+        raise ValueError(f"max_len={max_len} leaves no room for text between the special tokens")
+      enc.truncate(room)
+    return self.tok.post_process(enc).ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -61,7 +78,7 @@ class Tokenizer:
     os.makedirs(directory, exist_ok=True)
     self.tok.save(os.path.join(directory, TOKENIZER_FILE))
     meta = dict(bos_id=self.bos_id, eos_id=self.eos_id, pad_id=self.pad_id,
-                chat_template=self.chat_template, add_bos=self.add_bos)
+                chat_template=self.chat_template, add_bos=self.add_bos, max_len=self.max_len)
     with open(os.path.join(directory, META_FILE), "w") as f:
       json.dump(meta, f, indent=1)
 

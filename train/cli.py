@@ -7,6 +7,8 @@
   meshlm plan --config experiments/NAME.py --devices N [--mesh data=..,fsdp=..] [--budget_gb X] [--compile]
   meshlm quantize --model PATH --format int4-g128 [--method gptq|rtn] [--calib DATA] --out DIR
                   (infer/quant/cli.py)
+  meshlm embed --model DIR --input FILE(.txt|.jsonl) [--output FILE.npy|.jsonl] [--batch_size N]
+                  (infer/embed.py)
 """
 
 import os
@@ -15,7 +17,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-COMMANDS = ("train", "generate", "plan", "quantize")
+COMMANDS = ("train", "generate", "plan", "quantize", "embed")
 
 
 def _parse(argv: list[str]):
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
   if argv[0] == "quantize":
     from infer.quant.cli import main as quantize_main
     return quantize_main(argv[1:])
+  if argv[0] == "embed":
+    from infer.embed import main as embed_main
+    return embed_main(argv[1:])
   fv = _parse(argv)
   try:
     (run_train if argv[0] == "train" else run_generate)(fv)
