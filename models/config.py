@@ -127,6 +127,9 @@ class ModelConfig:
       if not isinstance(m, int) or m <= b // 2:
         raise ConfigError(f"model.relative_max_distance={m!r} must exceed relative_buckets/2="
                           f"{b // 2}, where the log-spaced buckets start")
+    if self.position == "relative" and self.arch == "prefix_lm":
+      raise ConfigError("model.position='relative' with arch='prefix_lm': T5's decoder buckets "
+                        "are one-directional and the prefix is not; use rope or learned")
     enc_dec = self.arch == "encoder_decoder"
     if self.num_decoder_layers and not enc_dec:
       raise ConfigError(f"model.num_decoder_layers={self.num_decoder_layers} is only for "

@@ -16,7 +16,7 @@ from models.blocks import make_stack, run_stack
 from models.config import ModelConfig
 from models.embedding import Embeddings
 from models.layers import Norm, _param, _zeros
-from models.positions import default_positions
+from models.positions import RelativePositionBias, default_positions
 from parallel import constrain
 
 
@@ -42,6 +42,8 @@ class Encoder(Embeddings):
       raise ValueError(f"Encoder needs arch='encoder', got {cfg.arch!r}")
     self.cfg = cfg
     self._init_embeddings(cfg, rngs)
+    if cfg.position == "relative":
+      self.rel_bias = RelativePositionBias(cfg, rngs, bidirectional=True)
     self.blocks = make_stack(cfg, rngs, cfg.num_layers)
     if cfg.norm_position == "pre":  # post-norm blocks end normalised already
       self.final_norm = Norm(cfg)
@@ -59,8 +61,9 @@ class Encoder(Embeddings):
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones(tokens_BT.shape, jnp.int32)
     x_BTD = self._embed(tokens_BT, positions_BT, type_ids_BT)
+    bias_fn = self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
     x_BTD, stats = run_stack(self.blocks, self.cfg, x_BTD, positions_BT, segment_ids_BT,
-                             causal=False)
+                             causal=False, bias_fn=bias_fn)
     if hasattr(self, "final_norm"):
       x_BTD = self.final_norm(x_BTD)
     return (x_BTD, stats) if return_stats else x_BTD

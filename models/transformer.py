@@ -14,7 +14,7 @@ from models.blocks import Block, decode_stack, make_stack, run_stack
 from models.config import ModelConfig
 from models.embedding import Embeddings
 from models.layers import Norm
-from models.positions import default_positions
+from models.positions import RelativePositionBias, default_positions
 
 __all__ = ["Block", "Transformer", "abstract_model"]
 
@@ -28,6 +28,8 @@ class Transformer(Embeddings):
                        "models.create_model")
     self.cfg = cfg
     self._init_embeddings(cfg, rngs)
+    if cfg.position == "relative":
+      self.rel_bias = RelativePositionBias(cfg, rngs, bidirectional=False)
     self.blocks = make_stack(cfg, rngs, cfg.num_layers)
     self.final_norm = Norm(cfg)
     self._init_unembed(cfg, rngs)
@@ -41,7 +43,8 @@ class Transformer(Embeddings):
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT)
     x_BTD = self._embed(tokens_BT, positions_BT)
-    x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, prefix_BT)
+    x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, prefix_BT,
+                             bias_fn=self._bias_fn())
     logits_BTV = self._logits(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
@@ -57,11 +60,14 @@ class Transformer(Embeddings):
     """
     x_BTD = self._embed(tokens_BT, positions_BT)
     x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
-                                       layers_cache, cache)
+                                       layers_cache, cache, bias_fn=self._bias_fn())
     if last_B is None:
       return self._logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
     return self._logits(x_B1D)[:, 0], layers_cache
+
+  def _bias_fn(self):
+    return self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
 
   def _logits(self, x_BTD):
     """Final norm and unembedding, in float32."""

@@ -195,3 +195,36 @@ def test_engines_refuse_architectures_they_cannot_serve():
     Engine(create_model(ModelConfig(**BERT), nnx.Rngs(0)), None)
   with pytest.raises(ValueError, match="PagedEngine serves arch .* not 'prefix_lm'"):
     PagedEngine(create_model(ModelConfig(**HYBRID), nnx.Rngs(0)), None)
+
+
+@pytest.mark.parametrize("arch", ["encoder", "decoder"])
+def test_relative_positions_depend_on_offsets_only(arch):
+  cfg = ModelConfig(**dict(TINY, arch=arch, position="relative", relative_buckets=8,
+                           relative_max_distance=16))
+  model = create_model(cfg, nnx.Rngs(6))
+  tokens = jnp.asarray([[4, 8, 15, 16, 23, 42]])
+  positions = jnp.arange(6)[None]
+  run = (model.encode if arch == "encoder" else model)
+  base = np.asarray(run(tokens, positions))
+  np.testing.assert_allclose(np.asarray(run(tokens, positions + 7)), base, atol=1e-5)
+  model.rel_bias.table_RN[...] = jnp.zeros_like(model.rel_bias.table_RN[...])
+  assert np.abs(np.asarray(run(tokens, positions)) - base).max() > 1e-4  # the bias is used
+
+
+def test_kv_cached_decoder_with_relative_positions_matches_full_forward():
+  from infer.engine import Engine
+  from infer.sampling import SamplingParams
+
+  class Ids:
+    eos_id = None
+    decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+
+  cfg = ModelConfig(**dict(TINY, position="relative", relative_buckets=8, relative_max_distance=16))
+  model = create_model(cfg, nnx.Rngs(7))
+  prompt = [5, 1, 9, 2]
+  got = Engine(model, Ids(), max_seq_len=32, max_batch=1).generate(
+      prompt, SamplingParams(max_tokens=5, temperature=0.0))
+  ids = list(prompt)
+  for _ in range(5):
+    ids.append(int(jnp.argmax(model(jnp.asarray([ids]))[0, -1])))
+  assert got[0].token_ids == ids[len(prompt):]
