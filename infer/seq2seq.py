@@ -1,0 +1,188 @@
+"""Encoder-decoder (T5) generation: encode the sources once, decode with the KV cache.
+
+    engine = Seq2SeqEngine(model, tokenizer, max_seq_len=128, max_batch=8)
+    results = engine.generate(["translate English to German: Hi"], SamplingParams(max_tokens=32))
+
+A batch of up to `max_batch` sources is right-padded (length bucketed to a power of
+two; encoder segment ids 0 on the padding, which no query ever attends) and
+encoded once. The decoder then starts every row from the decoder start token
+(`cfg.bos_id`; T5: pad, 0) and runs one jitted step per token over the
+contiguous KV cache of infer/kv_cache.py, exactly as infer/engine.py decodes a
+decoder-only model: `EncoderView` binds the batch's encoder output to
+`model.decode`, so `kv_cache.forward` drives it unchanged. Sampling, stop
+conditions and results are the engine's (infer/sampling.py, infer/engine.py).
+A row's tokens do not depend on its batch-mates; finished rows ride along masked.
+"""
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from infer import kv_cache
+from infer.engine import Result, _Request, batch_of_requests
+from infer.sampling import RowParams, SamplingParams, mark_seen, sample
+
+
+class EncoderView:
+  """The model as kv_cache.forward sees it: `.cfg`, and a `.decode` that cross-attends to one
+  batch's encoder output enc_BSD (padding: enc_segment_ids_BS == 0)."""
+
+  def __init__(self, model, enc_BSD, enc_segment_ids_BS):
+    self.model, self.cfg = model, model.cfg
+    self.enc_BSD, self.enc_segment_ids_BS = enc_BSD, enc_segment_ids_BS
+
+  def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None):
+    return self.model.decode(tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache,
+                             last_B, enc_BSD=self.enc_BSD,
+                             enc_segment_ids_BS=self.enc_segment_ids_BS)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
+def _start(graphdef, state, src_BS, src_segment_ids_BS, rows, *, max_len, kv_dtype=None):
+  """Encodes the sources and decodes the start token: (token_B, logprob_B, cache, enc_BSD,
+  seen_BV). The start token counts as seen, as in HF's repetition penalty."""
+  model = nnx.merge(graphdef, state)
+  b = src_BS.shape[0]
+  enc_BSD = model.encode(src_BS, None, src_segment_ids_BS)
+  view = EncoderView(model, enc_BSD, src_segment_ids_BS)
+  start_B1 = jnp.full((b, 1), model.cfg.bos_id, jnp.int32)
+  real_B1 = (src_segment_ids_BS[:, :1] > 0)  # rows padding the batch have no source
+  cache = kv_cache.init(model.cfg, b, max_len, kv_dtype)
+  logits_BV, cache = kv_cache.forward(view, start_B1, real_B1.astype(jnp.int32), cache)
+  seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), start_B1, real_B1)
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros((b,), jnp.int32))
+  return token_B, logprob_B, cache, enc_BSD, mark_seen(seen_BV, token_B[:, None], real_B1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_BV"))
+def _step(graphdef, state, cache, enc_BSD, enc_segment_ids_BS, token_B, active_B, seen_BV, rows,
+          step):
+  """One decoder token for every row (engine._decode with the encoder output bound)."""
+  view = EncoderView(nnx.merge(graphdef, state), enc_BSD, enc_segment_ids_BS)
+  logits_BV, cache = kv_cache.forward(view, token_B[:, None], active_B[:, None].astype(jnp.int32),
+                                      cache)
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full(token_B.shape, step, jnp.int32))
+  return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], active_B[:, None])
+
+
+class _IdsOnly:
+  """Stands in for a tokenizer when there is none: results carry token ids, text is ""."""
+
+  @staticmethod
+  def decode(ids):
+    return ""
+
+
+class Seq2SeqEngine:
+  """KV-cached generation for an EncoderDecoder; see the module docstring.
+
+  max_seq_len: decoder cache slots per row (default the model's max_seq_len; max_tokens
+  may not exceed it);
+  max_source_len: longest source (default max_seq_len). Text sources need a
+  tokenizer; with `append_eos` (T5) they end with its EOS, as HF's T5 tokenizer does.
+  """
+
+  def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
+               max_source_len: int | None = None, kv_dtype: str | None = None,
+               append_eos: bool = True):
+    cfg = model.cfg
+    if cfg.arch != "encoder_decoder":
+      raise ValueError(f"Seq2SeqEngine serves arch='encoder_decoder' models, not {cfg.arch!r} "
+                       "(use infer.Engine)")
+    if cfg.bos_id is None:
+      raise ValueError("model.cfg.bos_id (the decoder start token; T5: pad, 0) is not set")
+    kv_cache.check_kv_dtype(kv_dtype)
+    max_seq_len = cfg.max_seq_len if max_seq_len is None else max_seq_len
+    max_source_len = max_seq_len if max_source_len is None else max_source_len
+    for name, value in (("max_seq_len", max_seq_len), ("max_source_len", max_source_len),
+                        ("max_batch", max_batch)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"Seq2SeqEngine {name}={value!r} must be a positive integer")
+    self.tokenizer, self.append_eos = tokenizer, append_eos
+    tokenizer_eos = None if tokenizer is None else tokenizer.eos_id
+    self.eos_id = cfg.eos_id if tokenizer_eos is None else tokenizer_eos
+    self.vocab_size = cfg.vocab_size
+    self.max_seq_len, self.max_source_len, self.max_batch = max_seq_len, max_source_len, max_batch
+    self.kv_dtype = kv_dtype
+    self.graphdef, self.state = nnx.split(model)
+
+  def generate(self, sources, params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> list[Result]:
+    """Results in source order; `sources`: texts and/or token-id lists. A single invalid
+    request raises ValueError; in a batch it gets finish_reason "error"."""
+    single, sources, params = batch_of_requests(sources, params)
+    results: list[Result | None] = [None] * len(sources)
+    pending = []
+    for i, (source, p) in enumerate(zip(sources, params)):
+      try:
+        pending.append((i, self._request(source, p)))
+      except ValueError as e:
+        if single:
+          raise
+        results[i] = Result("", [], None, "error", error=str(e))
+    pending.sort(key=lambda item: len(item[1].prompt_ids))  # little padding per batch
+    for start in range(0, len(pending), self.max_batch):
+      chunk = pending[start:start + self.max_batch]
+      self._run([r for _, r in chunk])
+      for i, r in chunk:
+        results[i] = r.result()
+    return results
+
+  def _request(self, source, params: SamplingParams) -> _Request:
+    if isinstance(source, str):
+      if self.tokenizer is None:
+        raise ValueError("a text source needs a tokenizer; pass token ids or a tokenizer")
+      ids = self.tokenizer.encode(source)
+      if self.append_eos and self.eos_id is not None and ids[-1:] != [self.eos_id]:
+        ids.append(self.eos_id)
+    else:
+      ids = [int(t) for t in source]
+    params.validate()
+    if not ids:
+      raise ValueError("empty source: a request needs at least one source token")
+    if len(ids) > self.max_source_len:
+      raise ValueError(f"source of {len(ids)} tokens exceeds max_source_len="
+                       f"{self.max_source_len}")
+    if params.max_tokens > self.max_seq_len:
+      raise ValueError(f"max_tokens={params.max_tokens} exceeds the decoder's max_seq_len="
+                       f"{self.max_seq_len}")
+    bad = [t for t in ids if not 0 <= t < self.vocab_size]
+    if bad:
+      raise ValueError(f"source token id {bad[0]} is outside the vocabulary [0, "
+                       f"{self.vocab_size})")
+    if params.stop and self.tokenizer is None:
+      raise ValueError("stop strings need a tokenizer (use stop_token_ids)")
+    return _Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
+
+  def _run(self, requests: list[_Request]) -> None:
+    """Serves a batch (<= max_batch) to completion."""
+    n = len(requests)
+    b = min(1 << (n - 1).bit_length(), self.max_batch)  # batch sizes are powers of two too
+    s = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), self.max_source_len)
+    src_BS = np.zeros((b, s), np.int32)
+    src_segment_ids_BS = np.zeros((b, s), np.int32)
+    for i, r in enumerate(requests):
+      src_BS[i, :len(r.prompt_ids)] = r.prompt_ids
+      src_segment_ids_BS[i, :len(r.prompt_ids)] = 1
+    src_segment_ids_BS = jnp.asarray(src_segment_ids_BS)
+    rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
+    token_B, logprob_B, cache, enc_BSD, seen_BV = _start(
+        self.graphdef, self.state, jnp.asarray(src_BS), src_segment_ids_BS, rows,
+        max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
+    step = 0
+    while True:
+      tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
+      for i, r in enumerate(requests):
+        if not r.done:
+          r.add(int(tokens[i]), float(logprobs[i]))
+      active = np.array([not r.done for r in requests] + [False] * (b - n))
+      if not active.any():
+        return
+      step += 1
+      token_B, logprob_B, cache, seen_BV = _step(
+          self.graphdef, self.state, cache, enc_BSD, src_segment_ids_BS, token_B,
+          jnp.asarray(active), seen_BV, rows, step)
