@@ -83,8 +83,9 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
   arch, model_type = hf.get("architectures") or [], hf.get("model_type")
   if model_type not in _ARCHS or any(a != _ARCHS[model_type][0] for a in arch):
     raise ValueError(f"unsupported architecture {arch or model_type!r} (model_type={model_type!r})"
-                     f" in {source}; only LlamaForCausalLM (model_type 'llama') and "
-                     "MixtralForCausalLM (model_type 'mixtral') are supported")
+                     f" in {source}; only LlamaForCausalLM (model_type 'llama'), "
+                     "MixtralForCausalLM ('mixtral'), BERT encoders ('bert', models/hf_bert.py) "
+                     "and T5ForConditionalGeneration ('t5', models/hf_t5.py) are supported")
   defaults = _ARCHS[model_type][1]
 
   def get(key):

@@ -205,7 +205,8 @@ def test_directory_without_config_or_weights(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "only LlamaForCausalLM"),
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+     "only LlamaForCausalLM .*BERT encoders .*T5ForConditionalGeneration"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling type 'llama3'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_scaling type 'yarn'"),
     (dict(attention_bias=True), "attention_bias"),
