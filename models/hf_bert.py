@@ -21,9 +21,8 @@ from models import hf_io
 from models.config import ModelConfig
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
 
-# Our param path -> (HF name, layout): n > 0 leading "input" axes of ours are HF's last
-# axis ([out, in] -> [in..., out...]); 0 copies as is; FLAT reshapes a 1-D HF tensor.
-FLAT = -1
+# Our param path -> (HF name, layout n_in of hf_io.TensorReader).
+FLAT = hf_io.FLAT
 _GLOBAL = {
     ("embed_VD",): ("embeddings.word_embeddings.weight", 0),
     ("pos_PD",): ("embeddings.position_embeddings.weight", 0),
@@ -142,40 +141,22 @@ def _canonical(names) -> dict:
 def params_from_hf(cfg: ModelConfig, abstract_params, read, names) -> dict:
   """{our param path: numpy array in cfg.param_dtype}, checking shapes and leftovers."""
   np_dtype = np.dtype(cfg.jnp_param_dtype)
-  available, used, out = _canonical(names), set(), {}
-
-  def fetch(name, shape, n_in):
-    if name not in available:
-      raise ValueError(f"checkpoint is missing tensor {name!r}")
-    used.add(name)
-    w = read(available[name])
-    if n_in > 0:
-      want = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
-    else:
-      want = (int(np.prod(shape)),) if n_in == FLAT else shape
-    if tuple(w.shape) != want:
-      raise ValueError(f"checkpoint tensor {available[name]!r} has shape {tuple(w.shape)}, but "
-                       f"the config implies {want}")
-    return (w.T if n_in > 0 else w).reshape(shape)
-
+  tensors, out = hf_io.TensorReader(read, _canonical(names)), {}
   for path, var in nnx.to_flat_state(abstract_params):
     shape = tuple(var.get_value().shape)
     if path in _GLOBAL:
       name, n_in = _GLOBAL[path]
-      out[path] = fetch(name, shape, n_in).astype(np_dtype)
+      out[path] = tensors.fetch(name, shape, n_in).astype(np_dtype)
       continue
     if path[0] != "blocks" or path[1:] not in _LAYER:
       raise ValueError(f"parameter {'.'.join(map(str, path))} has no BERT checkpoint equivalent")
     name, n_in = _LAYER[path[1:]]
-    arr = np.empty(shape, np_dtype)  # preallocated: peak host memory ~ one copy
-    for i in range(shape[0]):
-      arr[i] = fetch(f"encoder.layer.{i}.{name}", shape[1:], n_in)
-    out[path] = arr
-  unexpected = sorted(set(available) - used - set(_UNUSED))
+    out[path] = tensors.stacked("encoder.layer.{}." + name, shape, n_in, np_dtype)
+  unexpected = tensors.unused(_UNUSED)
   if unexpected:
     raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this encoder does not use, "
-                     f"e.g. {[available[n] for n in unexpected[:5]]}; refusing to drop them "
-                     "silently (only BertModel weights are supported, no task heads)")
+                     f"e.g. {unexpected[:5]}; refusing to drop them silently (only BertModel "
+                     "weights are supported, no task heads)")
   return out
 
 

@@ -223,39 +223,67 @@ def _unfuse_experts(cfg: ModelConfig, read: Callable, names: Iterable[str]):
   return read_legacy, rest + list(virtual)
 
 
+FLAT = -1  # layout code: a 1-D checkpoint tensor reshaped to our (multi-axis) shape
+
+
+class TensorReader:
+  """Reads checkpoint tensors into our layouts and remembers which it used.
+
+  Layout `n_in`: n > 0, our first n axes are the checkpoint's last (nn.Linear
+  [out, in] -> [in..., out...]); 0, copied as stored; FLAT, a 1-D tensor reshaped.
+  `names` is a list of tensor names, or {name we ask for: name in the file}.
+  """
+
+  def __init__(self, read: Callable[[str], np.ndarray], names, what: str = "checkpoint"):
+    self.read, self.what, self.used = read, what, set()
+    self.files = dict(names) if isinstance(names, dict) else {n: n for n in names}
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.files
+
+  def fetch(self, name: str, shape: tuple, n_in: int) -> np.ndarray:
+    if name not in self.files:
+      raise ValueError(f"{self.what} is missing tensor {name!r}")
+    self.used.add(name)
+    w = self.read(self.files[name])
+    if n_in > 0:
+      want = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+    else:
+      want = (int(np.prod(shape)),) if n_in == FLAT else tuple(shape)
+    if tuple(w.shape) != want:
+      raise ValueError(f"{self.what} tensor {self.files[name]!r} has shape {tuple(w.shape)}, "
+                       f"but the config implies {want}")
+    return (w.T if n_in > 0 else w).reshape(shape)
+
+  def stacked(self, template: str, shape: tuple, n_in: int, dtype) -> np.ndarray:
+    """One array from tensors `template.format(i, ...)`, one per leading index of `shape`
+    (a `{}` in the template per axis the file stores as separate tensors, e.g. layers).
+    Filled in place, so peak host memory stays about one copy of the weights."""
+    stacked = template.count("{")
+    arr = np.empty(shape, dtype)
+    for index in np.ndindex(*shape[:stacked]):
+      arr[index] = self.fetch(template.format(*index), shape[stacked:], n_in)
+    return arr
+
+  def unused(self, ignorable=()) -> list[str]:
+    """File names of tensors nothing asked for (bar `ignorable`), sorted."""
+    return sorted(self.files[n] for n in set(self.files) - self.used - set(ignorable))
+
+
 def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.ndarray],
                    names: Iterable[str]) -> dict:
   """{our param path: numpy array in cfg.param_dtype}, checking shapes and leftovers."""
   if cfg.is_moe:
     read, names = _unfuse_experts(cfg, read, names)
   np_dtype = np.dtype(cfg.jnp_param_dtype)
-  table, available, used, out = _name_table(cfg), set(names), set(), {}
-
-  def fetch(name, shape, n_in):
-    if name not in available:
-      raise ValueError(f"checkpoint is missing tensor {name!r}")
-    used.add(name)
-    w = read(name)
-    want = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in]))) if n_in else shape
-    if tuple(w.shape) != want:
-      raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, but the config "
-                       f"implies {want}")
-    w = w.T if n_in else w  # HF [out, in] -> [in, out]
-    return w.reshape(shape)
-
+  table, tensors, out = _name_table(cfg), TensorReader(read, list(names)), {}
   for path, var in nnx.to_flat_state(abstract_params):
-    shape = tuple(var.get_value().shape)
     template, n_in = _lookup(table, path)
-    stacked = template.count("{")  # leading axes HF stores as separate tensors
-    # Fill a preallocated array so peak host memory is ~one copy of the weights.
-    arr = np.empty(shape, np_dtype)
-    for index in np.ndindex(*shape[:stacked]):
-      arr[index] = fetch(template.format(*index), shape[stacked:], n_in)
-    out[path] = arr
-  ignorable = {n for n in available if n.endswith("rotary_emb.inv_freq")}
+    out[path] = tensors.stacked(template, tuple(var.get_value().shape), n_in, np_dtype)
+  ignorable = {n for n in tensors.files if n.endswith("rotary_emb.inv_freq")}
   if cfg.tie_embeddings:
     ignorable.add("lm_head.weight")  # some exporters save the tied copy anyway
-  unexpected = sorted(available - used - ignorable)
+  unexpected = tensors.unused(ignorable)
   if unexpected:
     raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this decoder does not use,"
                      f" e.g. {unexpected[:5]}; refusing to drop them silently")

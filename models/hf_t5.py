@@ -24,7 +24,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.encoder_decoder import EncoderDecoder
-from models.hf_io import CONFIG_FILE, SafetensorsDir, read_config
+from models.hf_io import CONFIG_FILE, SafetensorsDir, TensorReader, read_config
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
 
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -130,36 +130,21 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read, names, *, head_scale
   An untied unembedding reads lm_head.weight, or `shared` when the file has none;
   `head_scale` is multiplied into it (a T5 that scales its output but has its own head).
   """
-  table, available, used, out = name_table(cfg), set(names), set(), {}
+  table, out = name_table(cfg), {}
+  tensors = TensorReader(read, list(names), what="T5 checkpoint")
   np_dtype = np.dtype(cfg.jnp_param_dtype)
-
-  def fetch(name, shape, n_in):
-    if name not in available:
-      raise ValueError(f"T5 checkpoint is missing tensor {name!r}")
-    used.add(name)
-    w = read(name)
-    want = (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in]))) if n_in else shape
-    if tuple(w.shape) != want:
-      raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(w.shape)}, but the config "
-                       f"implies {want}")
-    return (w.T if n_in else w).reshape(shape)
-
   for path, var in nnx.to_flat_state(abstract_params):
-    shape = tuple(var.get_value().shape)
     template, n_in = table[path]
-    if path == ("unembed_DV",) and template not in available:
+    if path == ("unembed_DV",) and template not in tensors:
       template = "shared.weight"  # transformers 5 saves no lm_head when it equals `shared`
-    stacked = template.count("{")  # the leading layers axis: one HF tensor per layer
-    arr = np.empty(shape, np_dtype)
-    for index in np.ndindex(*shape[:stacked]):
-      arr[index] = fetch(template.format(*index), shape[stacked:], n_in)
+    arr = tensors.stacked(template, tuple(var.get_value().shape), n_in, np_dtype)
     if path == ("unembed_DV",) and head_scale != 1.0:
       arr *= np.asarray(head_scale, np_dtype)
     out[path] = arr
   # Aliases of `shared` (older exports save them), and a cross-attention bias T5 never uses.
   ignorable = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight",
                "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"}
-  unexpected = sorted(available - used - ignorable)
+  unexpected = tensors.unused(ignorable)
   if unexpected:
     raise ValueError(f"T5 checkpoint has {len(unexpected)} tensor(s) this model does not use, "
                      f"e.g. {unexpected[:5]}; refusing to drop them silently")
