@@ -236,7 +236,21 @@ class Engine:
     token_B, logprob_B, cache, seen_BV = _prefill(
         self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
         max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
-    step = 0
+    carry = {"cache": cache, "seen": seen_BV}  # donated to each step, replaced by its result
+
+    def advance(token_B, active_B, step):
+      token_B, logprob_B, carry["cache"], carry["seen"] = _decode(
+          self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step)
+      return token_B, logprob_B
+
+    yield from self._host_loop(requests, b, token_B, logprob_B, advance)
+
+  @staticmethod
+  def _host_loop(requests, b, token_B, logprob_B, advance):
+    """The host side of one batch: hands each step's tokens to the requests and yields the
+    streamed deltas until every request is done; `advance(token_B, active_B, step)` runs the
+    next jitted step and returns (token_B, logprob_B)."""
+    n, step = len(requests), 0
     while True:
       tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
       yield [(r, r.add(int(tokens[i]), float(logprobs[i])))
@@ -245,5 +259,4 @@ class Engine:
       if not active.any():
         return
       step += 1
-      token_B, logprob_B, cache, seen_BV = _decode(self.graphdef, self.state, cache, token_B,
-                                                   jnp.asarray(active), seen_BV, rows, step)
+      token_B, logprob_B = advance(token_B, jnp.asarray(active), step)

@@ -15,7 +15,6 @@ A row's tokens do not depend on its batch-mates; finished rows ride along masked
 """
 
 import functools
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-from infer.engine import Result, _Request, batch_of_requests
+from infer.engine import Engine, _Request
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
 
 
@@ -77,8 +76,9 @@ class _IdsOnly:
     return ""
 
 
-class Seq2SeqEngine:
-  """KV-cached generation for an EncoderDecoder; see the module docstring.
+class Seq2SeqEngine(Engine):
+  """KV-cached generation for an EncoderDecoder; see the module docstring. `generate` and
+  `stream` are the Engine's; only requests and the jitted steps differ.
 
   max_seq_len: decoder cache slots per row (default the model's max_seq_len; max_tokens
   may not exceed it);
@@ -89,7 +89,7 @@ class Seq2SeqEngine:
   def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
                max_source_len: int | None = None, kv_dtype: str | None = None,
                append_eos: bool = True):
-    cfg = model.cfg
+    cfg = model.cfg  # Engine.__init__ is not called: it sizes a decoder-only cache
     if cfg.arch != "encoder_decoder":
       raise ValueError(f"Seq2SeqEngine serves arch='encoder_decoder' models, not {cfg.arch!r} "
                        "(use infer.Engine)")
@@ -109,28 +109,6 @@ class Seq2SeqEngine:
     self.max_seq_len, self.max_source_len, self.max_batch = max_seq_len, max_source_len, max_batch
     self.kv_dtype = kv_dtype
     self.graphdef, self.state = nnx.split(model)
-
-  def generate(self, sources, params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> list[Result]:
-    """Results in source order; `sources`: texts and/or token-id lists. A single invalid
-    request raises ValueError; in a batch it gets finish_reason "error"."""
-    single, sources, params = batch_of_requests(sources, params)
-    results: list[Result | None] = [None] * len(sources)
-    pending = []
-    for i, (source, p) in enumerate(zip(sources, params)):
-      try:
-        pending.append((i, self._request(source, p)))
-      except ValueError as e:
-        if single:
-          raise
-        results[i] = Result("", [], None, "error", error=str(e))
-    pending.sort(key=lambda item: len(item[1].prompt_ids))  # little padding per batch
-    for start in range(0, len(pending), self.max_batch):
-      chunk = pending[start:start + self.max_batch]
-      self._run([r for _, r in chunk])
-      for i, r in chunk:
-        results[i] = r.result()
-    return results
 
   def _request(self, source, params: SamplingParams) -> _Request:
     if isinstance(source, str):
@@ -158,8 +136,8 @@ class Seq2SeqEngine:
       raise ValueError("stop strings need a tokenizer (use stop_token_ids)")
     return _Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
 
-  def _run(self, requests: list[_Request]) -> None:
-    """Serves a batch (<= max_batch) to completion."""
+  def _run(self, requests: list[_Request]):
+    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
     n = len(requests)
     b = min(1 << (n - 1).bit_length(), self.max_batch)  # batch sizes are powers of two too
     s = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), self.max_source_len)
@@ -173,16 +151,12 @@ class Seq2SeqEngine:
     token_B, logprob_B, cache, enc_BSD, seen_BV = _start(
         self.graphdef, self.state, jnp.asarray(src_BS), src_segment_ids_BS, rows,
         max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
-    step = 0
-    while True:
-      tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
-      for i, r in enumerate(requests):
-        if not r.done:
-          r.add(int(tokens[i]), float(logprobs[i]))
-      active = np.array([not r.done for r in requests] + [False] * (b - n))
-      if not active.any():
-        return
-      step += 1
-      token_B, logprob_B, cache, seen_BV = _step(
-          self.graphdef, self.state, cache, enc_BSD, src_segment_ids_BS, token_B,
-          jnp.asarray(active), seen_BV, rows, step)
+    carry = {"cache": cache, "seen": seen_BV}
+
+    def advance(token_B, active_B, step):
+      token_B, logprob_B, carry["cache"], carry["seen"] = _step(
+          self.graphdef, self.state, carry["cache"], enc_BSD, src_segment_ids_BS, token_B,
+          active_B, carry["seen"], rows, step)
+      return token_B, logprob_B
+
+    yield from self._host_loop(requests, b, token_B, logprob_B, advance)

@@ -221,6 +221,9 @@ def test_text_sources_with_a_tokenizer(v1_1, tmp_path):
   assert by_text.token_ids == by_ids.token_ids and by_text.prompt_tokens == 4
   ids = by_text.token_ids[:-1] if by_text.finish_reason == "stop" else by_text.token_ids
   assert by_text.text == " ".join(f"w{i}" for i in ids)
+  streamed = list(engine.stream("w5 w6 w7", params))  # the Engine's streaming, inherited
+  assert [t.token_id for t in streamed] == by_text.token_ids
+  assert "".join(t.text for t in streamed) == by_text.text
 
 
 def test_engine_refuses_bad_requests(v1_1):
