@@ -5,10 +5,11 @@
 
 A batch of up to `max_batch` sources is right-padded (length bucketed to a power of
 two; encoder segment ids 0 on the padding, which no query ever attends) and
-encoded once. The decoder then starts every row from the decoder start token
+encoded once, and every decoder layer's cross-attention keys and values of it
+are computed then too (`EncoderDecoder.cross_kv`), not once per token. The decoder then starts every row from the decoder start token
 (`cfg.bos_id`; T5: pad, 0) and runs one jitted step per token over the
 contiguous KV cache of infer/kv_cache.py, exactly as infer/engine.py decodes a
-decoder-only model: `EncoderView` binds the batch's encoder output to
+decoder-only model: `EncoderView` binds those keys and values to
 `model.decode`, so `kv_cache.forward` drives it unchanged. Sampling, stop
 conditions and results are the engine's (infer/sampling.py, infer/engine.py).
 A row's tokens do not depend on its batch-mates; finished rows ride along masked.
@@ -28,40 +29,41 @@ from infer.sampling import RowParams, SamplingParams, mark_seen, sample
 
 class EncoderView:
   """The model as kv_cache.forward sees it: `.cfg`, and a `.decode` that cross-attends to one
-  batch's encoder output enc_BSD (padding: enc_segment_ids_BS == 0)."""
+  batch's encoder keys and values enc_kv = model.cross_kv(enc_BSD) (padding:
+  enc_segment_ids_BS == 0)."""
 
-  def __init__(self, model, enc_BSD, enc_segment_ids_BS):
+  def __init__(self, model, enc_kv, enc_segment_ids_BS):
     self.model, self.cfg = model, model.cfg
-    self.enc_BSD, self.enc_segment_ids_BS = enc_BSD, enc_segment_ids_BS
+    self.enc_kv, self.enc_segment_ids_BS = enc_kv, enc_segment_ids_BS
 
   def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None):
     return self.model.decode(tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache,
-                             last_B, enc_BSD=self.enc_BSD,
+                             last_B, enc_kv=self.enc_kv,
                              enc_segment_ids_BS=self.enc_segment_ids_BS)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
 def _start(graphdef, state, src_BS, src_segment_ids_BS, rows, *, max_len, kv_dtype=None):
-  """Encodes the sources and decodes the start token: (token_B, logprob_B, cache, enc_BSD,
+  """Encodes the sources and decodes the start token: (token_B, logprob_B, cache, enc_kv,
   seen_BV). The start token counts as seen, as in HF's repetition penalty."""
   model = nnx.merge(graphdef, state)
   b = src_BS.shape[0]
-  enc_BSD = model.encode(src_BS, None, src_segment_ids_BS)
-  view = EncoderView(model, enc_BSD, src_segment_ids_BS)
+  enc_kv = model.cross_kv(model.encode(src_BS, None, src_segment_ids_BS))
+  view = EncoderView(model, enc_kv, src_segment_ids_BS)
   start_B1 = jnp.full((b, 1), model.cfg.bos_id, jnp.int32)
   real_B1 = (src_segment_ids_BS[:, :1] > 0)  # rows padding the batch have no source
   cache = kv_cache.init(model.cfg, b, max_len, kv_dtype)
   logits_BV, cache = kv_cache.forward(view, start_B1, real_B1.astype(jnp.int32), cache)
   seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), start_B1, real_B1)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros((b,), jnp.int32))
-  return token_B, logprob_B, cache, enc_BSD, mark_seen(seen_BV, token_B[:, None], real_B1)
+  return token_B, logprob_B, cache, enc_kv, mark_seen(seen_BV, token_B[:, None], real_B1)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_BV"))
-def _step(graphdef, state, cache, enc_BSD, enc_segment_ids_BS, token_B, active_B, seen_BV, rows,
+def _step(graphdef, state, cache, enc_kv, enc_segment_ids_BS, token_B, active_B, seen_BV, rows,
           step):
-  """One decoder token for every row (engine._decode with the encoder output bound)."""
-  view = EncoderView(nnx.merge(graphdef, state), enc_BSD, enc_segment_ids_BS)
+  """One decoder token for every row (engine._decode with the encoder's keys bound)."""
+  view = EncoderView(nnx.merge(graphdef, state), enc_kv, enc_segment_ids_BS)
   logits_BV, cache = kv_cache.forward(view, token_B[:, None], active_B[:, None].astype(jnp.int32),
                                       cache)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full(token_B.shape, step, jnp.int32))
@@ -148,14 +150,14 @@ class Seq2SeqEngine(Engine):
       src_segment_ids_BS[i, :len(r.prompt_ids)] = 1
     src_segment_ids_BS = jnp.asarray(src_segment_ids_BS)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
-    token_B, logprob_B, cache, enc_BSD, seen_BV = _start(
+    token_B, logprob_B, cache, enc_kv, seen_BV = _start(
         self.graphdef, self.state, jnp.asarray(src_BS), src_segment_ids_BS, rows,
         max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}
 
     def advance(token_B, active_B, step):
       token_B, logprob_B, carry["cache"], carry["seen"] = _step(
-          self.graphdef, self.state, carry["cache"], enc_BSD, src_segment_ids_BS, token_B,
+          self.graphdef, self.state, carry["cache"], enc_kv, src_segment_ids_BS, token_B,
           active_B, carry["seen"], rows, step)
       return token_B, logprob_B
 

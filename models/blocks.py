@@ -47,13 +47,14 @@ class Block(nnx.Module):
     return self._mlp_residual(x_BTD, segment_ids_BT)
 
   def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache, *, bias_fn=None,
-             enc_BSD=None, enc_segment_ids_BS=None):
-    """Cached block (inference): (x_BTD, layer_cache) with this chunk stored in the cache."""
+             enc_kv=None, enc_segment_ids_BS=None):
+    """Cached block (inference): (x_BTD, layer_cache) with this chunk stored in the cache.
+    enc_kv: this layer's cross-attention (k_BSKH, v_BSKH), computed once per request."""
     h_BTD = x_BTD if self.post_norm else self.attn_norm(x_BTD)
     a_BTD, layer_cache = self.attn.decode(h_BTD, positions_BT, segment_ids_BT, layer_cache, cache,
                                           bias_fn=bias_fn)
     x_BTD = self.attn_norm(x_BTD + a_BTD) if self.post_norm else x_BTD + a_BTD
-    x_BTD = self._cross(x_BTD, segment_ids_BT, enc_BSD, enc_segment_ids_BS)
+    x_BTD = self._cross(x_BTD, segment_ids_BT, enc_kv, enc_segment_ids_BS)
     x_BTD, _ = self._mlp_residual(x_BTD, segment_ids_BT)
     return x_BTD, layer_cache
 
@@ -62,13 +63,14 @@ class Block(nnx.Module):
       return norm(x_BTD + f(x_BTD))
     return x_BTD + f(norm(x_BTD))
 
-  def _cross(self, x_BTD, segment_ids_BT, enc_BSD, enc_segment_ids_BS):
-    if enc_BSD is None:
+  def _cross(self, x_BTD, segment_ids_BT, enc, enc_segment_ids_BS):
+    """Cross-attention to `enc`: the encoder output enc_BSD or its (k_BSKH, v_BSKH)."""
+    if enc is None:
       if hasattr(self, "cross_attn"):
-        raise ValueError("this block cross-attends: pass the encoder output enc_BSD")
+        raise ValueError("this block cross-attends: pass the encoder output")
       return x_BTD
     return self._residual(x_BTD, self.cross_norm, lambda h: self.cross_attn(
-        h, None, segment_ids_BT, kv_BSD=enc_BSD, kv_segment_ids_BS=enc_segment_ids_BS))
+        h, None, segment_ids_BT, kv_BSD=enc, kv_segment_ids_BS=enc_segment_ids_BS))
 
   def _mlp_residual(self, x_BTD, segment_ids_BT):
     if isinstance(self.mlp, MoE):
@@ -112,13 +114,17 @@ def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_
 
 
 def decode_stack(blocks: Block, x_BTD, positions_BT, segment_ids_BT, layers_cache, cache,
-                 **call_kwargs):
-  """Cached pass through a stack (inference; always a scan): (x_BTD, layers_cache)."""
+                 per_layer=None, **call_kwargs):
+  """Cached pass through a stack (inference; always a scan): (x_BTD, layers_cache).
+
+  `per_layer`: {Block.decode keyword: pytree with a leading layer axis}, each layer
+  getting its own slice (an encoder-decoder's cross-attention keys and values).
+  """
   graphdef, state = nnx.split(blocks)
 
   def body(x_BTD, xs):
-    layer_state, layer_cache = xs
+    layer_state, layer_cache, mine = xs
     return nnx.merge(graphdef, layer_state).decode(x_BTD, positions_BT, segment_ids_BT,
-                                                   layer_cache, cache, **call_kwargs)
+                                                   layer_cache, cache, **call_kwargs, **mine)
 
-  return jax.lax.scan(body, x_BTD, (state, layers_cache))
+  return jax.lax.scan(body, x_BTD, (state, layers_cache, per_layer or {}))

@@ -2,14 +2,15 @@
 a bidirectional encoder stack, a causal decoder stack that cross-attends to it.
 
     logits_BTV = model(dec_inputs_BT, enc_inputs_BS=src_BS)      # teacher forcing
-    enc_BSD = model.encode(src_BS)                                # once per request
-    logits, cache = model.decode(tokens_BT, ..., enc_BSD=enc_BSD)  # infer/seq2seq.py
+    enc_kv = model.cross_kv(model.encode(src_BS))                 # once per request
+    logits, cache = model.decode(tokens_BT, ..., enc_kv=enc_kv)    # infer/seq2seq.py
 
 Both stacks are the shared Blocks (models/blocks.py); the decoder's are built
 with cross=True. With tied embeddings the decoder output is scaled by
 d_model**-0.5 before the unembedding, as T5 does.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -73,13 +74,20 @@ class EncoderDecoder(Embeddings):
     logits_BTV = self._logits(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
+  def cross_kv(self, enc_BSD):
+    """Every decoder layer's cross-attention keys and values of enc_BSD: (k_LBSKH, v_LBSKH),
+    computed once per request rather than once per generated token."""
+    graphdef, state = nnx.split(self.blocks)
+    return jax.lax.map(lambda s: nnx.merge(graphdef, s).cross_attn.cross_kv(enc_BSD), state)
+
   def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None, *,
-             enc_BSD, enc_segment_ids_BS):
-    """Cached decoder step (see Transformer.decode); the encoder output is computed once."""
+             enc_kv, enc_segment_ids_BS):
+    """Cached decoder step (see Transformer.decode) over `enc_kv = cross_kv(encode(...))`."""
     x_BTD = self._embed(tokens_BT, positions_BT)
     x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
-                                       layers_cache, cache, bias_fn=self._bias_fn("dec_rel_bias"),
-                                       enc_BSD=enc_BSD, enc_segment_ids_BS=enc_segment_ids_BS)
+                                       layers_cache, cache, per_layer={"enc_kv": enc_kv},
+                                       bias_fn=self._bias_fn("dec_rel_bias"),
+                                       enc_segment_ids_BS=enc_segment_ids_BS)
     if last_B is None:
       return self._logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)

@@ -105,7 +105,8 @@ class Attention(nnx.Module):
 
   One module for every use: self-attention (causal, bidirectional or prefix-LM,
   by the call's `causal`/`prefix_BT`) and cross-attention (`kv_BSD`: keys and
-  values from another sequence, e.g. an encoder's output). `cfg.position`
+  values from another sequence, e.g. an encoder's output, or the (k_BSKH,
+  v_BSKH) that `cross_kv` computed from it once). `cfg.position`
   decides whether rotary embeddings are applied (only to self-attention);
   a relative position bias arrives as `bias_fn` (models/positions.py).
   """
@@ -143,7 +144,7 @@ class Attention(nnx.Module):
                            impl=cfg.attention_impl, scale=cfg.scale)
     else:
       q_BTNH = self._q(x_BTD, None)
-      k_BSKH, v_BSKH = self._kv(kv_BSD, None)
+      k_BSKH, v_BSKH = kv_BSD if isinstance(kv_BSD, tuple) else self.cross_kv(kv_BSD)
       out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                            kv_segment_ids_BS=kv_segment_ids_BS, causal=False, bias_fn=bias_fn,
                            impl=cfg.attention_impl, scale=cfg.scale)
@@ -161,6 +162,10 @@ class Attention(nnx.Module):
     out_BTNH, layer_cache = cache.attend(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                          segment_ids_BT, self.cfg, **extra)
     return self._out(out_BTNH), layer_cache
+
+  def cross_kv(self, kv_BSD):
+    """(k_BSKH, v_BSKH) of another sequence, for cross-attention (no rotary embeddings)."""
+    return self._kv(kv_BSD, None)
 
   def _qkv(self, x_BTD, positions_BT):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""

@@ -239,8 +239,8 @@ def test_engine_refuses_bad_requests(v1_1):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"))
-def _cached_forward(graphdef, state, enc_BSD, enc_segment_ids_BS, tokens_BT, cache, all_logits):
-  view = EncoderView(nnx.merge(graphdef, state), enc_BSD, enc_segment_ids_BS)
+def _cached_forward(graphdef, state, enc_kv, enc_segment_ids_BS, tokens_BT, cache, all_logits):
+  view = EncoderView(nnx.merge(graphdef, state), enc_kv, enc_segment_ids_BS)
   return kv_cache.forward(view, tokens_BT, jnp.ones(tokens_BT.shape, jnp.int32), cache,
                           all_logits=all_logits)
 
@@ -251,9 +251,9 @@ def test_cached_logits_match_uncached_forward(t5):
   src, mask, dec = batch()
   want = our_logits(model)
   enc_segment_ids_BS = jnp.asarray(mask, jnp.int32)
-  enc_BSD = model.encode(jnp.asarray(src, jnp.int32), None, enc_segment_ids_BS)
+  enc_kv = model.cross_kv(model.encode(jnp.asarray(src, jnp.int32), None, enc_segment_ids_BS))
   graphdef, state = nnx.split(model)
-  forward = functools.partial(_cached_forward, graphdef, state, enc_BSD, enc_segment_ids_BS)
+  forward = functools.partial(_cached_forward, graphdef, state, enc_kv, enc_segment_ids_BS)
   cache = kv_cache.init(model.cfg, 2, 16)
   steps = []
   for t in range(DEC_LEN):
