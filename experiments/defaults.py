@@ -43,6 +43,13 @@ def base_config() -> ConfigDict:
   c.data.doc_separator = "\n\n"
   c.data.val_fraction = 0.05
   c.data.num_shards = 0      # 0: one shard per process; fix it to compare process counts
+  c.data.task = "lm"         # "lm": packed documents | "seq2seq": train/seq2seq_data.py pairs
+  # data.task="seq2seq": how (source, target) pairs are made (train/seq2seq_data.py).
+  c.data.seq2seq = ConfigDict(dict(
+      transform="reverse_words",  # from the text's lines: reverse_words | sort_words | "" (.jsonl)
+      min_words=3, max_words=6,   # lines of this many words become sources
+      source_key="source", target_key="target",  # transform "": the .jsonl fields
+      source_len=32))             # encoder length S; a longer source is an error
 
   c.optimizer = ConfigDict()
   c.optimizer.lr = 3e-4

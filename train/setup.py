@@ -21,7 +21,12 @@ def validate(config: ConfigDict) -> None:
               "eval_batches", "checkpoint_every", "keep_checkpoints"):
     if int(config[key]) <= 0:
       raise ConfigError(f"config.{key} must be positive, got {config[key]}")
-  model_config_from(config)  # raises ConfigError naming the bad model key
+  arch = model_config_from(config).arch  # raises ConfigError naming the bad model key
+  if config.data.task not in ("lm", "seq2seq"):
+    raise ConfigError(f"config.data.task={config.data.task!r}; choose 'lm' or 'seq2seq'")
+  if arch == "encoder_decoder" and config.data.task != "seq2seq":
+    raise ConfigError("model.arch='encoder_decoder' trains on (source, target) pairs: set "
+                      "data.task='seq2seq'")
   if config.anomaly.policy not in ANOMALY_POLICIES:
     raise ConfigError(f"config.anomaly.policy={config.anomaly.policy!r}; "
                       f"choose one of {ANOMALY_POLICIES}")
@@ -47,8 +52,12 @@ def resolve_tokenizer(config: ConfigDict, workdir: str) -> Tokenizer:
     return load_pretrained_tokenizer(path)
   if config.tokenizer.train_vocab_size > 0:
     from train.tokenizer_training import train_bpe_tokenizer
-    return train_bpe_tokenizer(data_lib.load_split(config.data, "train"),
-                               config.tokenizer.train_vocab_size)
+    if config.data.task == "seq2seq":  # the task's own text: its sources and targets
+      from train.seq2seq_data import tokenizer_texts
+      texts = tokenizer_texts(config.data)
+    else:
+      texts = data_lib.load_split(config.data, "train")
+    return train_bpe_tokenizer(texts, config.tokenizer.train_vocab_size)
   raise ConfigError("no tokenizer: set tokenizer.path, init_from or tokenizer.train_vocab_size")
 
 

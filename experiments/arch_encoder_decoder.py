@@ -1,0 +1,10 @@
+"""The encoder_decoder of experiments/arch_compare.py (see there).
+
+  meshlm train --config experiments/arch_encoder_decoder.py --workdir runs/arch_encoder_decoder
+"""
+
+from experiments import arch_compare
+
+
+def get_config():
+  return arch_compare.get_config("encoder_decoder")
