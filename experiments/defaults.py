@@ -44,6 +44,8 @@ def base_config() -> ConfigDict:
   c.data.val_fraction = 0.05
   c.data.num_shards = 0      # 0: one shard per process; fix it to compare process counts
   c.data.task = "lm"         # "lm": packed documents | "seq2seq": train/seq2seq_data.py pairs
+                             # | "mlm": masked packed documents for encoders (train/mlm_data.py)
+  c.data.mlm = ConfigDict(dict(mask_prob=0.15))  # BERT: 15% chosen; 80% [MASK], 10% random
   # data.task="seq2seq": how (source, target) pairs are made (train/seq2seq_data.py).
   c.data.seq2seq = ConfigDict(dict(
       transform="reverse_words",  # from the text's lines: reverse_words | sort_words | "" (.jsonl)

@@ -31,6 +31,7 @@ import numpy as np
 from models.tokenizer import Tokenizer
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions")
+TASKS = ("lm", "seq2seq", "mlm")  # data.task: what a row of a batch asks the model to predict
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 SPLITS = ("train", "validation")
@@ -238,7 +239,8 @@ def _concat_rows(batches: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.nda
 
 def make_global_dataset(data_cfg: Mapping[str, Any], tokenizer: Tokenizer, *, seq_len: int,
                         global_batch_size: int, split: str, seed: int,
-                        num_shards: int = 0, arch: str = "decoder") -> grain.IterDataset:
+                        num_shards: int = 0, arch: str = "decoder",
+                        vocab_size: int = 0) -> grain.IterDataset:
   """This process's rows of each global batch, the same whatever the process count.
 
   The documents are dealt into `num_shards` shards (0: one per process); each
@@ -246,19 +248,23 @@ def make_global_dataset(data_cfg: Mapping[str, Any], tokenizer: Tokenizer, *, se
   in shard order. With `num_shards` fixed, one process x 8 devices sees exactly
   the batches that two processes x 4 devices see. Zipped validation shards end
   with the shortest one. `data_cfg.task` "seq2seq" makes train/seq2seq_data.py's rows
-  for model.arch `arch`; "lm" (the default) packed documents.
+  for model.arch `arch`; "mlm" masked packed documents (train/mlm_data.py; `vocab_size`:
+  the model's); "lm" (the default) packed documents.
   """
   task = data_cfg.get("task", "lm")
   if task == "seq2seq":
     from train import seq2seq_data  # it imports this module
     make = functools.partial(seq2seq_data.make_dataset, arch=arch)
+  elif task == "mlm":
+    from train import mlm_data
+    make = functools.partial(mlm_data.make_dataset, vocab_size=vocab_size)
   elif task == "lm":
-    if arch == "encoder_decoder":
-      raise ValueError("model.arch='encoder_decoder' trains on (source, target) pairs: set "
-                       "data.task='seq2seq'")
+    if arch in ("encoder_decoder", "encoder"):
+      raise ValueError(f"model.arch={arch!r} does not train on next-token prediction: set "
+                       f"data.task={'seq2seq' if arch == 'encoder_decoder' else 'mlm'!r}")
     make = make_dataset
   else:
-    raise ValueError(f"data.task={task!r}; choose 'lm' or 'seq2seq'")
+    raise ValueError(f"data.task={task!r}; choose one of {TASKS}")
   count, index = jax.process_count(), jax.process_index()
   shards = num_shards or count
   if shards % count or global_batch_size % shards:

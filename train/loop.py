@@ -58,7 +58,7 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   datasets = {split: data_lib.make_global_dataset(
       config.data, plan.tokenizer, seq_len=config.seq_len, global_batch_size=config.batch_size,
       split=split, seed=config.seed, num_shards=config.data.num_shards,
-      arch=plan.model_cfg.arch)
+      arch=plan.model_cfg.arch, vocab_size=plan.model_cfg.vocab_size)
       for split in ("train", "validation")}
   train_iter = iter(datasets["train"])
 

@@ -22,11 +22,15 @@ def validate(config: ConfigDict) -> None:
     if int(config[key]) <= 0:
       raise ConfigError(f"config.{key} must be positive, got {config[key]}")
   arch = model_config_from(config).arch  # raises ConfigError naming the bad model key
-  if config.data.task not in ("lm", "seq2seq"):
-    raise ConfigError(f"config.data.task={config.data.task!r}; choose 'lm' or 'seq2seq'")
-  if arch == "encoder_decoder" and config.data.task != "seq2seq":
-    raise ConfigError("model.arch='encoder_decoder' trains on (source, target) pairs: set "
-                      "data.task='seq2seq'")
+  if config.data.task not in data_lib.TASKS:
+    raise ConfigError(f"config.data.task={config.data.task!r}; choose one of {data_lib.TASKS}")
+  needs = {"encoder_decoder": "seq2seq", "encoder": "mlm"}.get(arch)
+  if needs and config.data.task != needs:
+    raise ConfigError(f"model.arch={arch!r} trains with data.task={needs!r}, not "
+                      f"{config.data.task!r}")
+  if config.data.task == "mlm" and arch != "encoder":
+    raise ConfigError(f"data.task='mlm' (masked-LM) trains encoders (model.arch='encoder'), not "
+                      f"arch={arch!r}: a causal model cannot attend to the tokens it predicts")
   if config.anomaly.policy not in ANOMALY_POLICIES:
     raise ConfigError(f"config.anomaly.policy={config.anomaly.policy!r}; "
                       f"choose one of {ANOMALY_POLICIES}")
