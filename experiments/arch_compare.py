@@ -10,12 +10,12 @@ so they are twice as long (seq_len 128) as the encoder-decoder's (source_len = s
 Embeddings are untied: tied, the encoder-decoder scales its output by d_model**-0.5 as T5
 does, which with this init_std (0.02) left it far behind (benchmarks/arch_compare.py --tied).
 
-  meshlm train --config experiments/arch_decoder.py --workdir runs/arch_decoder
-  meshlm train --config experiments/arch_prefix_lm.py --workdir runs/arch_prefix_lm
-  meshlm train --config experiments/arch_encoder_decoder.py --workdir runs/arch_encoder_decoder
+  meshlm train --config experiments/arch_compare.py:decoder --workdir runs/arch_decoder
+  meshlm train --config experiments/arch_compare.py:prefix_lm --workdir runs/arch_prefix_lm
+  meshlm train --config experiments/arch_compare.py:encoder_decoder --workdir runs/arch_enc_dec
   python -m benchmarks.arch_compare      # all three, held-out loss and exact match as JSON
 
-`meshlm train --config experiments/arch_compare.py` trains the decoder.
+Without `:ARCH`, `meshlm train --config experiments/arch_compare.py` trains the decoder.
 """
 
 import os

@@ -87,3 +87,13 @@ def test_generate_from_directory_that_is_not_a_model(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(SystemExit, match="config.json"):
     main(["generate", "--model", str(tmp_path / "empty"), "--prompt", "hi"])
+
+
+def test_config_argument_selects_the_architecture(tmp_path):
+  # "file.py:arg" reaches get_config(arg): the encoder-decoder then refuses a plain LM task.
+  config = os.path.join(REPO, "experiments", "arch_compare.py") + ":encoder_decoder"
+  run = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", config,
+                        "--workdir", str(tmp_path / "run"), "--config.data.task=lm"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+  assert run.returncode != 0
+  assert "model.arch='encoder_decoder' trains with data.task='seq2seq'" in run.stderr

@@ -73,7 +73,8 @@ def run_train(fv) -> None:
   config_file = fv["config"].config_filename if fv["config"].present else None
   if config_file is None:
     raise SystemExit("meshlm train: missing required flag --config")
-  if not os.path.isfile(config_file):
+  # "path.py:arg" passes arg to get_config (ml_collections keeps it in the filename).
+  if not os.path.isfile(config_file.split(":")[0]):
     raise SystemExit(f"meshlm train: config file {config_file} does not exist")
   config = fv["config"].value
   from parallel.distributed import initialize
