@@ -53,6 +53,8 @@ def reference():
 def _check_close(ours_ND, ref_ND):
   cos_N = np.sum(ours_ND * ref_ND, 1) / (np.linalg.norm(ours_ND, axis=1)
                                          * np.linalg.norm(ref_ND, axis=1))
+  print(f"{len(cos_N)} texts: min cosine {cos_N.min():.8f}, "
+        f"max abs diff {np.abs(ours_ND - ref_ND).max():.2e}")
   assert cos_N.min() >= MIN_COS, f"min cosine {cos_N.min()} (row {cos_N.argmin()})"
   assert np.abs(ours_ND - ref_ND).max() <= MAX_ABS
 
