@@ -212,7 +212,7 @@ class ModelConfig:
     """Weights of one block's MLP or MoE layer; `active`: those one token uses."""
     d, f = self.d_model, self.mlp_dim
     if not self.is_moe:
-      return 3 * d * f
+      return (3 if self.mlp_activation in ("swiglu", "geglu") else 2) * d * f
     experts = self.top_k if active else self.num_experts
     bias = 0 if active or not self.router_bias_rate else self.num_experts
     return 3 * d * f * experts + 3 * d * self.shared_mlp_dim + d * self.num_experts + bias

@@ -6,6 +6,9 @@ Training FLOPs per token follow MaxText's count: 3x the forward matmuls
 matmul (QKV, output, SwiGLU's three, unembedding); the embedding lookup and
 norms are not matmuls; an MoE layer counts the router and the top-k
 experts a token uses. Remat recomputation is not useful work and is not counted.
+An encoder's attention is not causal (all T·T scores count); an encoder-decoder
+counts, per target token, one source token through the encoder (sources taken
+as long as targets) and the decoder's self- and cross-attention.
 """
 
 import time
@@ -31,9 +34,17 @@ PEAK_FLOPS_BF16 = {
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   d, h, n, k = cfg.d_model, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-  per_layer = 2 * cfg.mlp_params(active=True) + 2 * d * (n + 2 * k) * h + 2 * d * n * h
-  attention = 4 * seq_len * n * h / 2  # causal: half the score/value matmuls are masked
-  forward = cfg.num_layers * (per_layer + attention) + 2 * d * cfg.vocab_size
+  projections = 2 * d * (n + 2 * k) * h + 2 * d * n * h  # q, k, v and the output
+  per_layer = 2 * cfg.mlp_params(active=True) + projections
+  full = 4 * seq_len * n * h  # one query's score and value matmuls over every key
+  unembed = 2 * d * cfg.vocab_size
+  if cfg.arch == "encoder":
+    forward = cfg.num_layers * (per_layer + full) + unembed
+  elif cfg.arch == "encoder_decoder":
+    decoder = per_layer + full / 2 + projections + full  # causal self-, then cross-attention
+    forward = cfg.num_layers * (per_layer + full) + cfg.decoder_layers * decoder + unembed
+  else:  # causal: half the score/value matmuls are masked (a prefix-LM's prompt is ignored)
+    forward = cfg.num_layers * (per_layer + full / 2) + unembed
   return 3.0 * forward
 
 
