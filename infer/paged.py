@@ -110,7 +110,8 @@ class _Pages:
     k_KWZH = scatter_tokens(k_KWZH, k_BTKH, self.page_BT, self.slot_BT)
     v_KWZH = scatter_tokens(v_KWZH, v_BTKH, self.page_BT, self.slot_BT)
     if _pallas_decode_ok(q_BTNH, cfg):
-      out_BTNH = _pallas_decode(q_BTNH, k_KWZH, v_KWZH, self.lengths_B, self.table_BY)
+      out_BTNH = _pallas_decode(q_BTNH, k_KWZH, v_KWZH, self.lengths_B, self.table_BY,
+                                cfg.scale)
     else:
       out_BTNH = paged_attention(q_BTNH, k_KWZH, v_KWZH, self.table_BY, self.lengths_B,
                                  positions_BT, segment_ids_BT, cfg)
@@ -157,10 +158,10 @@ def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:
           and cfg.attention_impl in ("auto", "pallas"))
 
 
-def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY):
+def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY, scale):
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as kernel
 
-  scale = q_BTNH.shape[-1] ** -0.5  # the kernel does not scale the scores itself
+  # the kernel does not scale the scores itself
   out_BNH = kernel((q_BTNH[:, 0] * scale).astype(k_KWZH.dtype), k_KWZH, v_KWZH, lengths_B,
                    table_BY,
                    # the kernel wants a width it divides; widths are powers of two or max_blocks

@@ -158,9 +158,13 @@ def mark_seen(seen_BV, tokens_BT, valid_BT):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _next_token(graphdef, state, buffer_1T, cursor, seen_1V, rows, step):
+def _next_token(graphdef, state, buffer_1T, cursor, seen_1V, rows, step, prompt_len):
   model = nnx.merge(graphdef, state)
-  logits_1TV = model(buffer_1T)
+  if model.cfg.arch == "prefix_lm":  # the prompt is the bidirectional prefix, as in training
+    prefix_1T = (jnp.arange(buffer_1T.shape[1]) < prompt_len).astype(jnp.int32)[None]
+    logits_1TV = model(buffer_1T, prefix_BT=prefix_1T)
+  else:
+    logits_1TV = model(buffer_1T)
   logits_1V = jax.lax.dynamic_index_in_dim(logits_1TV, cursor - 1, axis=1, keepdims=False)
   token_1, logprob_1 = sample(logits_1V, seen_1V, rows, jnp.reshape(step, (1,)))
   return token_1[0], logprob_1[0]
@@ -178,6 +182,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
   """
   if not prompt_ids:
     raise ValueError("generate needs a non-empty prompt")
+  if model.cfg.arch not in ("decoder", "prefix_lm"):
+    raise ValueError(f"generate continues decoder-only models; arch={model.cfg.arch!r} "
+                     "(encoder-decoder: infer.seq2seq.Seq2SeqEngine)")
   params = SamplingParams(max_tokens=max(max_new_tokens, 1), temperature=temperature,
                           top_k=top_k, top_p=top_p, min_p=min_p,
                           repetition_penalty=repetition_penalty, seed=seed)
@@ -195,7 +202,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
   new_ids, logprobs = [], []
   cursor = len(prompt_ids)
   for step in range(max_new_tokens):
-    token, logprob = _next_token(graphdef, state, buffer, cursor, seen, rows, step)
+    token, logprob = _next_token(graphdef, state, buffer, cursor, seen, rows, step,
+                                 len(prompt_ids))
     token = int(token)
     new_ids.append(token)
     logprobs.append(float(logprob))

@@ -85,7 +85,9 @@ class Seq2SeqEngine(Engine):
   max_seq_len: decoder cache slots per row (default the model's max_seq_len; max_tokens
   may not exceed it);
   max_source_len: longest source (default max_seq_len). Text sources need a
-  tokenizer; with `append_eos` (T5) they end with its EOS, as HF's T5 tokenizer does.
+  tokenizer and get no BOS; with `append_eos` (T5) they end with its EOS, as HF's
+  T5 tokenizer does. Models trained on train/seq2seq_data.py saw sources without
+  EOS: serve them with append_eos=False.
   """
 
   def __init__(self, model, tokenizer=None, max_seq_len: int | None = None, max_batch: int = 8, *,
@@ -104,6 +106,9 @@ class Seq2SeqEngine(Engine):
                         ("max_batch", max_batch)):
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Seq2SeqEngine {name}={value!r} must be a positive integer")
+      if name != "max_batch" and cfg.position == "learned" and value > cfg.max_seq_len:
+        raise ValueError(f"Seq2SeqEngine {name}={value} exceeds the model's learned position "
+                         f"table (max_seq_len={cfg.max_seq_len})")
     self.tokenizer, self.append_eos = tokenizer, append_eos
     tokenizer_eos = None if tokenizer is None else tokenizer.eos_id
     self.eos_id = cfg.eos_id if tokenizer_eos is None else tokenizer_eos
@@ -116,7 +121,7 @@ class Seq2SeqEngine(Engine):
     if isinstance(source, str):
       if self.tokenizer is None:
         raise ValueError("a text source needs a tokenizer; pass token ids or a tokenizer")
-      ids = self.tokenizer.encode(source)
+      ids = self.tokenizer.encode(source, add_bos=False)
       if self.append_eos and self.eos_id is not None and ids[-1:] != [self.eos_id]:
         ids.append(self.eos_id)
     else:

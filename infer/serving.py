@@ -58,6 +58,9 @@ class PagedEngine(Engine):
                prefill_chunk: int = 256, prefix_caching: bool = True,
                kv_dtype: str | None = None):
     super().__init__(model, tokenizer, max_seq_len, max_batch, kv_dtype=kv_dtype)
+    if model.cfg.position == "relative":
+      raise ValueError("PagedEngine has no relative position bias (T5 buckets); serve this "
+                       "model with infer.Engine")
     if not (isinstance(block_size, int) and block_size >= 1):
       raise ValueError(f"block_size={block_size!r} must be a positive integer")
     self.block_size = block_size

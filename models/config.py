@@ -147,9 +147,9 @@ class ModelConfig:
     if self.arch in ("encoder", "encoder_decoder") and self.num_experts:
       raise ConfigError(f"arch={self.arch!r} with num_experts={self.num_experts}: mixture-of-"
                         "experts blocks are supported in decoder and prefix_lm models only")
-    if self.arch == "encoder" and self.sliding_window:
-      raise ConfigError("model.sliding_window needs causal attention; arch='encoder' is "
-                        "bidirectional")
+    if self.arch != "decoder" and self.sliding_window:
+      raise ConfigError(f"model.sliding_window is for arch='decoder' (causal throughout); "
+                        f"arch={self.arch!r} attends bidirectionally over (part of) its input")
 
   @property
   def decoder_layers(self) -> int:
@@ -176,6 +176,9 @@ class ModelConfig:
     if self.moe_impl == "capacity" and not self.capacity_factor > 0:
       raise ConfigError(f"model.capacity_factor={self.capacity_factor!r} must be > 0 on the "
                         "capacity path (model.moe_impl='capacity')")
+    if self.mlp_activation != "swiglu" or self.use_bias:
+      raise ConfigError(f"MoE experts are SwiGLU without biases; model.mlp_activation="
+                        f"{self.mlp_activation!r}, use_bias={self.use_bias} with num_experts={e}")
     for name in ("aux_loss_weight", "z_loss_weight", "router_bias_rate", "shared_mlp_dim"):
       if getattr(self, name) < 0:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be >= 0")
@@ -221,7 +224,14 @@ class ModelConfig:
   def llama_shaped(self) -> bool:
     """A decoder whose parameters the closed form below counts (gated MLP, no biases)."""
     return (self.arch in ("decoder", "prefix_lm") and self.norm == "rms" and not self.use_bias
-            and self.position in ("rope", "none") and self.mlp_activation in ("swiglu", "geglu"))
+            and self.norm_position == "pre" and self.position in ("rope", "none")
+            and self.mlp_activation in ("swiglu", "geglu"))
+
+  @property
+  def plain_llama(self) -> bool:
+    """Exactly a Llama/Mixtral: what Hugging Face export and GPTQ calibration assume."""
+    return (self.llama_shaped and self.arch == "decoder" and self.position == "rope"
+            and self.mlp_activation == "swiglu" and not self.attention_scale)
 
   def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
     if not self.llama_shaped:

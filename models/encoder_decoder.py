@@ -37,9 +37,11 @@ class EncoderDecoder(Embeddings):
       self.enc_rel_bias = RelativePositionBias(cfg, rngs, bidirectional=True)
       self.dec_rel_bias = RelativePositionBias(cfg, rngs, bidirectional=False)
     self.enc_blocks = make_stack(cfg, rngs, cfg.num_layers)
-    self.enc_norm = Norm(cfg)
+    if cfg.norm_position == "pre":  # post-norm blocks end normalised already
+      self.enc_norm = Norm(cfg)
     self.blocks = make_stack(cfg, rngs, cfg.decoder_layers, cross=True)
-    self.final_norm = Norm(cfg)
+    if cfg.norm_position == "pre":
+      self.final_norm = Norm(cfg)
     self._init_unembed(cfg, rngs)
 
   def encode(self, enc_inputs_BS, enc_positions_BS=None, enc_segment_ids_BS=None):
@@ -102,7 +104,8 @@ class EncoderDecoder(Embeddings):
     return getattr(self, name).bias_fn() if self.cfg.position == "relative" else None
 
   def _logits(self, x_BTD):
-    x_BTD = self.final_norm(x_BTD)
+    if self.cfg.norm_position == "pre":
+      x_BTD = self.final_norm(x_BTD)
     if self.cfg.tie_embeddings:
       x_BTD = x_BTD * jnp.asarray(self.cfg.d_model ** -0.5, x_BTD.dtype)
     return self._unembed(x_BTD)

@@ -136,6 +136,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   Mixtral expresses (_MIXTRAL_FIXED); moe_impl="capacity" exports the same weights,
   which transformers then runs dropless.
   """
+  if not cfg.plain_llama:
+    raise ValueError(
+        f"export_hf writes Llama/Mixtral checkpoints; this model (arch={cfg.arch!r}, norm="
+        f"{cfg.norm!r}/{cfg.norm_position!r}, mlp_activation={cfg.mlp_activation!r}, position="
+        f"{cfg.position!r}, use_bias={cfg.use_bias}, attention_scale={cfg.attention_scale}) would "
+        "load as a different model")
   if cfg.sliding_window:
     # Written as is, transformers would run full attention: refuse instead of changing the model.
     raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported: "

@@ -31,7 +31,8 @@ class Transformer(Embeddings):
     if cfg.position == "relative":
       self.rel_bias = RelativePositionBias(cfg, rngs, bidirectional=False)
     self.blocks = make_stack(cfg, rngs, cfg.num_layers)
-    self.final_norm = Norm(cfg)
+    if cfg.norm_position == "pre":  # post-norm blocks end normalised already
+      self.final_norm = Norm(cfg)
     self._init_unembed(cfg, rngs)
 
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, prefix_BT=None,
@@ -70,8 +71,10 @@ class Transformer(Embeddings):
     return self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
 
   def _logits(self, x_BTD):
-    """Final norm and unembedding, in float32."""
-    return self._unembed(self.final_norm(x_BTD))
+    """Final norm (pre-norm models) and unembedding, in float32."""
+    if self.cfg.norm_position == "pre":
+      x_BTD = self.final_norm(x_BTD)
+    return self._unembed(x_BTD)
 
 
 def abstract_model(cfg: ModelConfig):

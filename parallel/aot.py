@@ -50,8 +50,7 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
   abstract = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
               "step": jax.ShapeDtypeStruct((), jnp.int32),
               "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
-  batch = {k: jax.ShapeDtypeStruct((int(config.batch_size), int(config.seq_len)), jnp.int32)
-           for k in ("inputs", "targets", "segment_ids", "positions")}
+  batch = abstract_batch(config, model_cfg)
   start = time.perf_counter()
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh), _pipeline(config, mesh, sharding,
                                                                         model_cfg):
@@ -71,6 +70,23 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
               + m.temp_size_in_bytes,
               devices=len(jax.devices()), compile_seconds=round(seconds, 2),
               collectives={k: v for k, v in counts.items() if v})
+
+
+def abstract_batch(config, model_cfg) -> dict:
+  """The shapes of one global batch: the LM fields [B, T], plus what the architecture and data
+  task add (models.registry.EXTRA_INPUTS; an encoder-decoder's sources are [B, source_len])."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.registry import EXTRA_INPUTS
+  b, t = int(config.batch_size), int(config.seq_len)
+  s = int(config.data.seq2seq.source_len)
+  shape = lambda key: (b, s) if key.startswith("enc_") else (b, t)  # noqa: E731
+  keys = ["inputs", "targets", "segment_ids", "positions"]
+  keys += [k for k in EXTRA_INPUTS[model_cfg.arch] if k != "type_ids"]
+  if config.data.task != "lm":
+    keys.append("loss_mask")
+  return {k: jax.ShapeDtypeStruct(shape(k), jnp.int32) for k in keys}
 
 
 def _pipeline(config, mesh, sharding, model_cfg):

@@ -33,10 +33,12 @@ HYBRID = dict(TINY, arch="prefix_lm")
     (dict(T5, relative_buckets=7), "relative_buckets=7 must be an even integer"),
     (dict(T5, relative_max_distance=4), "relative_max_distance=4 must exceed"),
     (dict(TINY, type_vocab_size=2), "type_vocab_size and model.num_classes are encoder options"),
-    (dict(BERT, num_experts=4), "mixture-of-experts blocks are supported in decoder"),
+    (dict(TINY, arch="encoder", num_experts=4), "mixture-of-experts blocks are supported in"),
     (dict(BERT, num_heads=5), "num_heads=5 does not divide model.d_model=32"),
     (dict(T5, num_kv_heads=3), "num_heads=4 is not a multiple of model.num_kv_heads=3"),
-    (dict(BERT, sliding_window=4), "sliding_window needs causal attention"),
+    (dict(BERT, sliding_window=4), "sliding_window is for arch='decoder'"),
+    (dict(HYBRID, sliding_window=4), "sliding_window is for arch='decoder'"),
+    (dict(TINY, num_experts=4, mlp_activation="gelu"), "MoE experts are SwiGLU without biases"),
     (dict(TINY, norm_position="middle"), "norm_position='middle'"),
 ])
 def test_inconsistent_configs_fail_naming_the_problem(values, message):
@@ -199,16 +201,19 @@ def test_engines_refuse_architectures_they_cannot_serve():
 
 @pytest.mark.parametrize("arch", ["encoder", "decoder"])
 def test_relative_positions_depend_on_offsets_only(arch):
+  """A sequence packed second in a row (positions restarting at 0) reads as it does alone."""
   cfg = ModelConfig(**dict(TINY, arch=arch, position="relative", relative_buckets=8,
                            relative_max_distance=16))
   model = create_model(cfg, nnx.Rngs(6))
-  tokens = jnp.asarray([[4, 8, 15, 16, 23, 42]])
-  positions = jnp.arange(6)[None]
-  run = (model.encode if arch == "encoder" else model)
-  base = np.asarray(run(tokens, positions))
-  np.testing.assert_allclose(np.asarray(run(tokens, positions + 7)), base, atol=1e-5)
+  run = model.encode if arch == "encoder" else model
+  alone = np.asarray(run(jnp.asarray([[4, 8, 15, 16, 23, 42]])))
+  packed = jnp.asarray([[9, 9, 9, 4, 8, 15, 16, 23, 42]])
+  positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4, 5]])
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2, 2]])
+  np.testing.assert_allclose(np.asarray(run(packed, positions, segments))[:, 3:], alone,
+                             atol=1e-5)
   model.rel_bias.table_RN[...] = jnp.zeros_like(model.rel_bias.table_RN[...])
-  assert np.abs(np.asarray(run(tokens, positions)) - base).max() > 1e-4  # the bias is used
+  assert np.abs(np.asarray(run(jnp.asarray([[4, 8, 15, 16, 23, 42]]))) - alone).max() > 1e-4
 
 
 def test_kv_cached_decoder_with_relative_positions_matches_full_forward():
@@ -228,3 +233,54 @@ def test_kv_cached_decoder_with_relative_positions_matches_full_forward():
   for _ in range(5):
     ids.append(int(jnp.argmax(model(jnp.asarray([ids]))[0, -1])))
   assert got[0].token_ids == ids[len(prompt):]
+
+
+def test_tools_that_assume_a_llama_refuse_other_architectures():
+  from infer.quant.gptq import gptq_quantize
+  from infer.quant.rules import default_rules
+  from infer.sampling import generate
+  from models import export_hf
+  hybrid = create_model(ModelConfig(**HYBRID), nnx.Rngs(0))
+  with pytest.raises(ValueError, match="export_hf writes Llama/Mixtral checkpoints; .*prefix_lm"):
+    export_hf(hybrid, None, "/nonexistent/out")
+  with pytest.raises(ValueError, match="GPTQ calibrates Llama-style decoders.*method='rtn'"):
+    gptq_quantize(create_model(ModelConfig(**BERT), nnx.Rngs(0)), default_rules("int8"),
+                  np.zeros((1, 8), np.int32))
+  with pytest.raises(ValueError, match="generate continues decoder-only models; arch='encoder'"):
+    generate(create_model(ModelConfig(**BERT), nnx.Rngs(0)), [1, 2], 2)
+  from infer.serving import PagedEngine
+  relative = ModelConfig(**dict(TINY, position="relative", relative_buckets=8,
+                                relative_max_distance=16))
+  with pytest.raises(ValueError, match="PagedEngine has no relative position bias"):
+    PagedEngine(create_model(relative, nnx.Rngs(0)), None)
+  post = ModelConfig(**dict(TINY, norm_position="post"))  # not the closed form's shape
+  assert post.num_params() == param_count(post)
+  with pytest.raises(ValueError, match="defined for Llama-shaped decoders"):
+    post.num_params(active=True)
+
+
+def test_cache_free_generate_reads_a_prefix_lm_prompt_bidirectionally():
+  from infer.engine import Engine
+  from infer.sampling import SamplingParams, generate
+
+  class Ids:
+    eos_id = None
+    decode = staticmethod(lambda ids: "")
+
+  model = create_model(ModelConfig(**HYBRID), nnx.Rngs(5))
+  prompt = [3, 9, 4, 17, 8]
+  cached = Engine(model, Ids(), max_seq_len=32, max_batch=1).generate(
+      prompt, SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
+  assert generate(model, prompt, 6) == cached
+
+
+@pytest.mark.parametrize("arch", ["encoder_decoder", "prefix_lm"])
+def test_plan_compiles_the_step_with_each_architectures_batch(arch):
+  from experiments.arch_compare import get_config
+  from parallel.aot import abstract_batch, compile_memory
+  config = get_config(arch)
+  config.model.num_layers, config.model.d_model, config.batch_size = 1, 32, 2
+  if arch == "encoder_decoder":
+    config.model.num_decoder_layers = 1
+    assert abstract_batch(config, ModelConfig(**T5))["enc_inputs"].shape == (2, 64)
+  assert compile_memory(config, {"data": 1}, "data_parallel")["peak"] > 0

@@ -88,6 +88,9 @@ def test_train_an_encoder_then_embed_end_to_end(tmp_path):
     (["--config.data.task=lm"], "model.arch='encoder' trains with data.task='mlm', not 'lm'"),
     (["--config.model.arch=decoder"], "data.task='mlm' .* trains encoders"),
     (["--config.data.task=cloze"], "data.task='cloze'; choose one of"),
+    (["--config.model.vocab_size=320"], "needs a mask token.*model.vocab_size > 3"),
+    (["--config.seq_len=256"], "rows of 256 tokens .* exceed model.max_seq_len=128"),
+    (["--config.data.mlm.mask_prob=0"], "mask_prob=0"),
 ])
 def test_mismatched_task_and_arch_fail_before_anything_is_written(tmp_path, flags, message):
   config = os.path.join(REPO, "experiments", "mlm_shakespeare.py")

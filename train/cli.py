@@ -94,7 +94,8 @@ def run_train(fv) -> None:
     raise SystemExit(exit_codes.PREEMPTED) from e
   monitor.close()
   print({k: round(v, 4) for k, v in last.items()})
-  if config.sample.prompt and config.sample.max_new_tokens > 0:
+  generates = config.model.arch in ("decoder", "prefix_lm")
+  if config.sample.prompt and config.sample.max_new_tokens > 0 and generates:
     import jax
     if jax.process_index() == 0:
       model, tokenizer, _ = load_trained(fv["workdir"].value)

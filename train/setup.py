@@ -21,16 +21,9 @@ def validate(config: ConfigDict) -> None:
               "eval_batches", "checkpoint_every", "keep_checkpoints"):
     if int(config[key]) <= 0:
       raise ConfigError(f"config.{key} must be positive, got {config[key]}")
-  arch = model_config_from(config).arch  # raises ConfigError naming the bad model key
-  if config.data.task not in data_lib.TASKS:
-    raise ConfigError(f"config.data.task={config.data.task!r}; choose one of {data_lib.TASKS}")
-  needs = {"encoder_decoder": "seq2seq", "encoder": "mlm"}.get(arch)
-  if needs and config.data.task != needs:
-    raise ConfigError(f"model.arch={arch!r} trains with data.task={needs!r}, not "
-                      f"{config.data.task!r}")
-  if config.data.task == "mlm" and arch != "encoder":
-    raise ConfigError(f"data.task='mlm' (masked-LM) trains encoders (model.arch='encoder'), not "
-                      f"arch={arch!r}: a causal model cannot attend to the tokens it predicts")
+  check_task(config, model_config_from(config))  # raises ConfigError naming the bad key
+  if not 0 < config.data.mlm.mask_prob < 1:
+    raise ConfigError(f"config.data.mlm.mask_prob={config.data.mlm.mask_prob} must be in (0, 1)")
   if config.anomaly.policy not in ANOMALY_POLICIES:
     raise ConfigError(f"config.anomaly.policy={config.anomaly.policy!r}; "
                       f"choose one of {ANOMALY_POLICIES}")
@@ -42,6 +35,25 @@ def validate(config: ConfigDict) -> None:
   if config.batch_size % jax.process_count() or per_process % config.grad_accum:
     raise ConfigError(f"config.batch_size={config.batch_size} must split evenly over "
                       f"{jax.process_count()} process(es) x grad_accum={config.grad_accum}")
+
+
+def check_task(config: ConfigDict, model_cfg: ModelConfig) -> None:
+  """The data task suits the architecture, and learned positions cover every row."""
+  task, arch = config.data.task, model_cfg.arch
+  if task not in data_lib.TASKS:
+    raise ConfigError(f"config.data.task={task!r}; choose one of {data_lib.TASKS}")
+  needs = {"encoder_decoder": "seq2seq", "encoder": "mlm"}.get(arch)
+  if needs and task != needs:
+    raise ConfigError(f"model.arch={arch!r} trains with data.task={needs!r}, not {task!r}")
+  if task == "mlm" and arch != "encoder":
+    raise ConfigError(f"data.task='mlm' (masked-LM) trains encoders (model.arch='encoder'), not "
+                      f"arch={arch!r}: a causal model cannot attend to the tokens it predicts")
+  if model_cfg.position == "learned":
+    longest = max(int(config.seq_len),
+                  int(config.data.seq2seq.source_len) if arch == "encoder_decoder" else 0)
+    if longest > model_cfg.max_seq_len:
+      raise ConfigError(f"rows of {longest} tokens (seq_len / data.seq2seq.source_len) exceed "
+                        f"model.max_seq_len={model_cfg.max_seq_len}, the learned position table")
 
 
 def resolve_tokenizer(config: ConfigDict, workdir: str) -> Tokenizer:
@@ -107,6 +119,10 @@ def plan_run(config: ConfigDict, workdir: str) -> Plan:
   tokenizer = resolve_tokenizer(config, workdir)
   model_cfg = resolve_model_config(config, tokenizer)
   model_cfg, init_params = _initial_params(config, model_cfg)
+  check_task(config, model_cfg)  # again: init_from may have brought another architecture
+  if config.data.task == "mlm":
+    from train.mlm_data import mask_id
+    mask_id(tokenizer, model_cfg.vocab_size)  # raises, naming the fix, if no id fits
   pipeline = parallel.pipeline_from_config(config.pipeline, dict(mesh.shape), config.sharding,
                                            model_cfg.num_layers,
                                            config.batch_size // config.grad_accum)

@@ -140,6 +140,10 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
   embedding too, since GPTQ's error feedback, tuned for the logits, would
   distort the lookup table it also is. An untied LM head gets GPTQ.
   """
+  if not model.cfg.plain_llama:
+    raise ValueError(f"GPTQ calibrates Llama-style decoders (RoPE, causal); arch="
+                     f"{model.cfg.arch!r}, position={model.cfg.position!r}: quantize this model "
+                     "with method='rtn'")
   plan = quant_plan(model, rules, fit_groups=fit_groups)
   options = dict(damp=damp, act_order=act_order, clip_search=clip_search)
   if "embed_VD" in plan:
