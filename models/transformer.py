@@ -38,6 +38,15 @@ class Transformer(Embeddings):
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, prefix_BT=None,
                return_stats=False):
     """prefix_BT (arch="prefix_lm" only): 1 marks the bidirectional prompt tokens of a row."""
+    x_BTD, stats = self.hidden(tokens_BT, positions_BT, segment_ids_BT, prefix_BT=prefix_BT,
+                               return_stats=True)
+    logits_BTV = self._unembed(x_BTD)
+    return (logits_BTV, stats) if return_stats else logits_BTV
+
+  def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, prefix_BT=None,
+             return_stats=False):
+    """The final hidden states x_BTD (after the final norm): what the unembedding, and the
+    scalar heads of reward and value models, read."""
     cfg = self.cfg
     if prefix_BT is not None and cfg.arch != "prefix_lm":
       raise ValueError(f"prefix_BT is the prefix-LM's input; this model has arch={cfg.arch!r}")
@@ -46,8 +55,8 @@ class Transformer(Embeddings):
     x_BTD = self._embed(tokens_BT, positions_BT)
     x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, prefix_BT,
                              bias_fn=self._bias_fn())
-    logits_BTV = self._logits(x_BTD)
-    return (logits_BTV, stats) if return_stats else logits_BTV
+    x_BTD = self._final(x_BTD)
+    return (x_BTD, stats) if return_stats else x_BTD
 
   def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None):
     """Cached forward (inference; infer/ drives it): (logits, layers_cache).
@@ -70,11 +79,13 @@ class Transformer(Embeddings):
   def _bias_fn(self):
     return self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
 
+  def _final(self, x_BTD):
+    """The final norm of a pre-norm stack (post-norm blocks end normalised already)."""
+    return self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD
+
   def _logits(self, x_BTD):
-    """Final norm (pre-norm models) and unembedding, in float32."""
-    if self.cfg.norm_position == "pre":
-      x_BTD = self.final_norm(x_BTD)
-    return self._unembed(x_BTD)
+    """Final norm and unembedding, in float32."""
+    return self._unembed(self._final(x_BTD))
 
 
 def abstract_model(cfg: ModelConfig):
