@@ -222,16 +222,22 @@ class Engine:
     self.check(ids, params)
     return _Request(ids, params, self.tokenizer.eos_id, self.tokenizer)
 
+  def _padded(self, requests: list[_Request], limit: int):
+    """(b, ids_BT, segment_ids_BT): the prompts right-padded to a bucketed length <= limit,
+    the batch rounded up to a power of two (<= max_batch), so few shapes compile."""
+    b = min(1 << (len(requests) - 1).bit_length(), self.max_batch)
+    t = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), limit)
+    ids_BT = np.zeros((b, t), np.int32)
+    segment_ids_BT = np.zeros((b, t), np.int32)
+    for i, r in enumerate(requests):
+      ids_BT[i, :len(r.prompt_ids)] = r.prompt_ids
+      segment_ids_BT[i, :len(r.prompt_ids)] = 1
+    return b, ids_BT, segment_ids_BT
+
   def _run(self, requests: list[_Request]) -> Iterator[list[tuple[_Request, Token]]]:
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
     n = len(requests)
-    b = min(1 << (n - 1).bit_length(), self.max_batch)  # batch sizes are powers of two too
-    t = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), self.max_seq_len)
-    tokens_BT = np.zeros((b, t), np.int32)
-    segment_ids_BT = np.zeros((b, t), np.int32)
-    for i, r in enumerate(requests):
-      tokens_BT[i, :len(r.prompt_ids)] = r.prompt_ids
-      segment_ids_BT[i, :len(r.prompt_ids)] = 1
+    b, tokens_BT, segment_ids_BT = self._padded(requests, self.max_seq_len)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
     token_B, logprob_B, cache, seen_BV = _prefill(
         self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,

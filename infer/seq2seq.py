@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from infer import kv_cache
@@ -146,13 +145,7 @@ class Seq2SeqEngine(Engine):
   def _run(self, requests: list[_Request]):
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
     n = len(requests)
-    b = min(1 << (n - 1).bit_length(), self.max_batch)  # batch sizes are powers of two too
-    s = kv_cache.bucket(max(len(r.prompt_ids) for r in requests), self.max_source_len)
-    src_BS = np.zeros((b, s), np.int32)
-    src_segment_ids_BS = np.zeros((b, s), np.int32)
-    for i, r in enumerate(requests):
-      src_BS[i, :len(r.prompt_ids)] = r.prompt_ids
-      src_segment_ids_BS[i, :len(r.prompt_ids)] = 1
+    b, src_BS, src_segment_ids_BS = self._padded(requests, self.max_source_len)
     src_segment_ids_BS = jnp.asarray(src_segment_ids_BS)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
     token_B, logprob_B, cache, enc_kv, seen_BV = _start(

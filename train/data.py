@@ -71,25 +71,31 @@ def _read_text(path: str, doc_separator: str) -> list[str]:
   return [doc for doc in text.split(doc_separator) if doc.strip()]
 
 
-def _read_jsonl(path: str, text_key: str) -> list[str]:
+def iter_jsonl(path: str):
+  """(line number, record) for each non-blank line of a .jsonl(.gz) file; bad JSON raises
+  ValueError naming the file and line."""
   opener = gzip.open if path.endswith(".gz") else open
-  docs = []
   with opener(path, "rt", encoding="utf-8") as f:
     for line_no, line in enumerate(f, start=1):
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        yield line_no, json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
-      if not isinstance(record, dict) or text_key not in record:
-        raise ValueError(f"{path}:{line_no}: no key {text_key!r} in this JSON record")
-      text = record[text_key]
-      if not isinstance(text, str):
-        raise ValueError(f"{path}:{line_no}: {text_key!r} is a {type(text).__name__}, "
-                         "expected a string")
-      if text.strip():
-        docs.append(text)
+
+
+def _read_jsonl(path: str, text_key: str) -> list[str]:
+  docs = []
+  for line_no, record in iter_jsonl(path):
+    if not isinstance(record, dict) or text_key not in record:
+      raise ValueError(f"{path}:{line_no}: no key {text_key!r} in this JSON record")
+    text = record[text_key]
+    if not isinstance(text, str):
+      raise ValueError(f"{path}:{line_no}: {text_key!r} is a {type(text).__name__}, "
+                       "expected a string")
+    if text.strip():
+      docs.append(text)
   return docs
 
 

@@ -25,8 +25,6 @@ example that does not fit raises, naming it, rather than being dropped.
 """
 
 import functools
-import gzip
-import json
 from typing import Any, Mapping
 
 import grain
@@ -72,22 +70,14 @@ def _jsonl_pairs(data_cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
           "(source, target) pairs; set data.seq2seq.transform (e.g. 'reverse_words') to build "
           "them from its lines, or point data.path at .jsonl files with "
           "data.seq2seq.source_key/target_key")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-      for line_no, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
-        values = [record.get(key) if isinstance(record, dict) else None
-                  for key in (src_key, tgt_key)]
-        if not all(isinstance(v, str) and v.strip() for v in values):
-          raise ValueError(f"{path}:{line_no}: a seq2seq record needs non-empty string fields "
-                           f"{src_key!r} (data.seq2seq.source_key) and {tgt_key!r} "
-                           "(data.seq2seq.target_key)")
-        pairs.append(tuple(values))
+    for line_no, record in data_lib.iter_jsonl(path):
+      values = [record.get(key) if isinstance(record, dict) else None
+                for key in (src_key, tgt_key)]
+      if not all(isinstance(v, str) and v.strip() for v in values):
+        raise ValueError(f"{path}:{line_no}: a seq2seq record needs non-empty string fields "
+                         f"{src_key!r} (data.seq2seq.source_key) and {tgt_key!r} "
+                         "(data.seq2seq.target_key)")
+      pairs.append(tuple(values))
   return pairs
 
 
