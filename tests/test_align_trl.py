@@ -6,7 +6,6 @@ from collections import defaultdict
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from align import preference, rl
 
