@@ -42,6 +42,18 @@ def tiny_config(steps: int = 6, **overrides):
   return c
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """One process runs the whole suite: drop each module's compiled XLA programs after it, so
+  memory does not grow with the number of test files."""
+  yield
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture
 def shakespeare_slice(tmp_path):
   """The first ~40 KB of Tiny Shakespeare, as its own file."""
