@@ -25,14 +25,12 @@ mid-way; `DataReport.check` refuses a dataset that is mostly garbage.
 
 import collections
 import dataclasses
-import gzip
-import json
 import re
 from typing import Iterable, Sequence
 
 import numpy as np
 
-from train.data import resolve_paths
+from train.data import iter_jsonl, resolve_paths
 
 REASONS = ("missing_fields", "unparseable", "prompt_mismatch", "empty_response",
            "identical_pair", "too_long")
@@ -285,15 +283,11 @@ def _last_run(mask_N) -> int:
 def read_records(paths: str | Sequence[str], report: DataReport) -> Iterable[tuple[str, object]]:
   """(where, record) for each line of .jsonl(.gz) files; bad JSON is counted, not raised."""
   for path in resolve_paths(paths):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-      for line_no, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        try:
-          yield f"{path}:{line_no}", json.loads(line)
-        except json.JSONDecodeError as e:
-          report.skip(BadRecord("unparseable", f"invalid JSON ({e.msg})"), f"{path}:{line_no}")
+    def bad(line_no, message, path=path):
+      report.skip(BadRecord("unparseable", message), f"{path}:{line_no}")
+
+    for line_no, record in iter_jsonl(path, on_bad_json=bad):
+      yield f"{path}:{line_no}", record
 
 
 def load_pairs(paths, tokenizer, max_len: int, drop_turns: bool = True):

@@ -71,18 +71,23 @@ def _read_text(path: str, doc_separator: str) -> list[str]:
   return [doc for doc in text.split(doc_separator) if doc.strip()]
 
 
-def iter_jsonl(path: str):
-  """(line number, record) for each non-blank line of a .jsonl(.gz) file; bad JSON raises
-  ValueError naming the file and line."""
+def iter_jsonl(path: str, on_bad_json=None):
+  """(line number, record) for each non-blank line of a .jsonl(.gz) file. Bad JSON raises
+  ValueError naming the file and line, or with `on_bad_json(line_no, message)` is handed
+  to it and skipped."""
   opener = gzip.open if path.endswith(".gz") else open
   with opener(path, "rt", encoding="utf-8") as f:
     for line_no, line in enumerate(f, start=1):
       if not line.strip():
         continue
       try:
-        yield line_no, json.loads(line)
+        record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
+        if on_bad_json is None:
+          raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from e
+        on_bad_json(line_no, f"invalid JSON ({e.msg})")
+        continue
+      yield line_no, record
 
 
 def _read_jsonl(path: str, text_key: str) -> list[str]:
