@@ -6,44 +6,26 @@ position, so the losses after a restart are bit-identical to an uninterrupted
 run's. See docs/fault_tolerance.md for every failure mode.
 """
 
-import itertools
 import os
 import time
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 import parallel
-from train import data as data_lib
 from train import flops as flops_lib
 from train.checkpoint import Checkpointer
 from train.fault import AnomalyDetector, AnomalyLog, Goodput, Preempted, PreemptionGuard
 from train.metrics import MetricsWriter
 from train.optimizer import make_optimizer
 from train.setup import plan_run
-from train.state import create_train_state
-from train.step import jit_eval_step, jit_train_step
+from train.task import LMTask, batch_sharding as make_batch_sharding, first, to_global
 from train.watchdog import Watchdog
 
 
-def evaluate(eval_fn, params, val_ds, batch_sharding, num_batches: int) -> float:
-  """Mean per-token loss over the first `num_batches` validation batches."""
-  total, count = 0.0, 0.0
-  for batch in itertools.islice(iter(val_ds), num_batches):
-    loss_sum, n = eval_fn(params, _to_global(batch, batch_sharding))
-    total, count = total + float(loss_sum), count + float(n)
-  return total / max(count, 1.0)
-
-
-def _to_global(batch, sharding):
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-          for k, v in batch.items()}
-
-
-def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
-  """Runs (or resumes) training; returns the last logged metrics.
+def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=None) -> dict:
+  """Runs (or resumes) training of `task` (default: LMTask, pretraining); returns the last
+  logged metrics.
 
   `stop_at` ends this invocation early, after checkpointing that step, as a
   preemption would; the schedule still spans `config.steps`. Raises Preempted
@@ -51,26 +33,21 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   """
   workdir = os.path.abspath(workdir)
   plan = plan_run(config, workdir)
+  task = LMTask(config) if task is None else task
   mesh, layout = plan.mesh, plan.layout
   goodput = Goodput(workdir)
   started = time.perf_counter()
 
-  datasets = {split: data_lib.make_global_dataset(
-      config.data, plan.tokenizer, seq_len=config.seq_len, global_batch_size=config.batch_size,
-      split=split, seed=config.seed, num_shards=config.data.num_shards,
-      arch=plan.model_cfg.arch, vocab_size=plan.model_cfg.vocab_size)
-      for split in ("train", "validation")}
+  datasets = task.datasets(plan)
   train_iter = iter(datasets["train"])
 
   tx, schedule = make_optimizer(config.optimizer, config.steps)
   with parallel.axis_rules(layout.rules):
-    graphdef, state, shardings = create_train_state(plan.model_cfg, tx, mesh, config.seed,
-                                                    layout, params=plan.init_params)
-  batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
-  make_step = lambda nan=False: jit_train_step(graphdef, tx, schedule, shardings, batch_sharding,
-                                               config.grad_accum, inject_nan=nan)
+    state, shardings, frozen, frozen_shardings = task.init_state(plan, tx, mesh, layout)
+  batch_sharding = make_batch_sharding(mesh)
+  make_step = lambda nan=False: task.step_fn(tx, schedule, shardings, frozen_shardings,
+                                             batch_sharding, inject_nan=nan)
   step_fn = make_step()
-  eval_fn = jit_eval_step(graphdef, shardings["params"], batch_sharding)
 
   ckpt = Checkpointer(workdir, config.keep_checkpoints, config.async_checkpoints,
                       config.keep_checkpoint_every)
@@ -109,6 +86,12 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
   try:
     with (parallel.axis_rules(layout.rules), jax.set_mesh(mesh),
           parallel.pipeline_schedule(plan.pipeline), PreemptionGuard() as preemption):
+      if step == 0 and config.eval_at_start:  # the starting model's baseline
+        t = time.perf_counter()
+        writer.write(0, task.evaluate(state["params"], frozen,
+                                      first(datasets["validation"], config.eval_batches),
+                                      batch_sharding))
+        goodput.add("eval", time.perf_counter() - t)
       while step < end:
         if preemption.requested():
           if ckpt.latest_step() != step:
@@ -117,10 +100,13 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
           raise Preempted(step, preemption.signum)
         watchdog.step_started(step)
         t = time.perf_counter()
-        batch = _to_global(next(train_iter), batch_sharding)
+        batch = next(train_iter)
+        if hasattr(task, "prepare"):  # on-policy tasks (PPO, GRPO) roll out here
+          batch = task.prepare(state, frozen, batch, step)
+        batch = to_global(batch, batch_sharding)
         inject = step + 1 == config.debug.nan_at_step and not rollbacks  # once, not on replay
         fn = make_step(nan=True) if inject else step_fn
-        state, metrics = fn(state, batch)
+        state, metrics = fn(state, batch, frozen)
         if step + 1 == config.debug.slow_step_at:
           time.sleep(config.debug.slow_step_seconds)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -166,14 +152,17 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None) -> dict:
             last["mfu"] = last["tokens_per_s"] * flops_per_token / (peak * jax.device_count())
           if step % config.eval_every == 0 or step == config.steps:
             t = time.perf_counter()
-            last["val_loss"] = evaluate(eval_fn, state["params"], datasets["validation"],
-                                        batch_sharding, config.eval_batches)
+            last.update(task.evaluate(state["params"], frozen,
+                                      first(datasets["validation"], config.eval_batches),
+                                      batch_sharding))
             goodput.add("eval", time.perf_counter() - t)
           writer.write(step, last)
           goodput.save()
           window_start, window_tokens = time.perf_counter(), 0.0
         if step % config.checkpoint_every == 0 or step == end:
           save(step)
+    if hasattr(task, "finish") and step == config.steps:
+      task.finish(state, frozen, step, plan)  # e.g. a LoRA run writes its merged model
   finally:
     watchdog.close()
     t = time.perf_counter()

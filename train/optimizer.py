@@ -1,6 +1,7 @@
 """AdamW with linear warmup and cosine decay, behind global-norm clipping."""
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from ml_collections import ConfigDict
@@ -17,6 +18,8 @@ def _decay_mask(params):
   """Weight decay on matrices only: norm scales (one logical axis besides `layers`) are exempt."""
 
   def is_matrix(v):
+    if not isinstance(v, nnx.Variable):  # a plain array (LoRA adapters): decay matrices
+      return jnp.ndim(v) >= 2
     names = [n for n in (v.get_metadata().get("out_sharding") or ()) if n != "layers"]
     return v.replace(len(names) >= 2)
 

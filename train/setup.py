@@ -117,7 +117,8 @@ def plan_run(config: ConfigDict, workdir: str) -> Plan:
   mesh = parallel.make_mesh(config.mesh.to_dict())
   layout = parallel.get_layout(config.sharding)
   tokenizer = resolve_tokenizer(config, workdir)
-  model_cfg = resolve_model_config(config, tokenizer)
+  # init_from brings its own model config (config.model is then not used).
+  model_cfg = None if config.init_from else resolve_model_config(config, tokenizer)
   model_cfg, init_params = _initial_params(config, model_cfg)
   check_task(config, model_cfg)  # again: init_from may have brought another architecture
   if config.data.task == "mlm":

@@ -63,10 +63,7 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
   if grad_accum == 1:
     (_, (loss, stats)), grads = grad_fn(params, batch)
   else:
-    # Microbatch k takes rows k, k+A, k+2A, ...: a slice of every device's rows,
-    # so microbatches stay sharded like the batch instead of being resharded.
-    micro = jax.tree.map(
-        lambda x: jnp.swapaxes(x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1), batch)
+    micro = microbatches(batch, grad_accum)
 
     def accumulate(carry, mb):
       loss, grads, stats = carry
@@ -81,19 +78,64 @@ def train_step(state, batch, *, graphdef, tx, schedule, grad_accum: int = 1,
         accumulate, (jnp.zeros((), jnp.float32), zeros, zero_stats), micro)
     stats = jax.tree.map(lambda s: s / grad_accum, stats)
 
+  new_state, metrics = apply_gradients(
+      state, grads, loss, tx=tx, schedule=schedule, inject_nan=inject_nan,
+      adjust=lambda new: moe.update_router_bias(cfg, new, params, stats))
+  return new_state, {**metrics, "tokens": total_tokens, **moe.router_metrics(cfg, stats)}
+
+
+def apply_gradients(state, grads, loss, *, tx, schedule, inject_nan=False, adjust=None):
+  """The optimizer update every objective shares. A non-finite loss or gradient leaves
+  params and optimizer state unchanged (the step still counts) and reports `skipped`=1.
+  `adjust(new_params)` may amend the updated params (MoE router biases)."""
+  params = state["params"]
   if inject_nan:
     grads = jax.tree.map(lambda g: g * jnp.nan, grads)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_params = moe.update_router_bias(cfg, optax.apply_updates(params, updates), params, stats)
+  new_params = optax.apply_updates(params, updates)
+  if adjust is not None:
+    new_params = adjust(new_params)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   new_state = dict(state, params=keep(new_params, params),
                    opt_state=keep(opt_state, state["opt_state"]), step=state["step"] + 1)
   metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-             "tokens": total_tokens, "skipped": 1.0 - finite.astype(jnp.float32),
-             **moe.router_metrics(cfg, stats)}
+             "skipped": 1.0 - finite.astype(jnp.float32)}
   return new_state, metrics
+
+
+def microbatches(batch, grad_accum: int):
+  """[A, B/A, ...] microbatches; microbatch k takes rows k, k+A, k+2A, ...: a slice of every
+  device's rows, so microbatches stay sharded like the batch instead of being resharded."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, grad_accum, *x.shape[1:]), 0, 1),
+                      batch)
+
+
+def objective_step(state, batch, frozen, *, loss_fn, tx, schedule, grad_accum: int = 1,
+                   inject_nan: bool = False):
+  """One optimizer update on `loss_fn(params, frozen, batch) -> (loss, metrics)`, a mean over
+  the batch's rows (pairs, sequences). Gradient accumulation averages equal-sized
+  microbatches, so the update equals the whole batch's. `frozen` gets no gradient."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  params = state["params"]
+  if grad_accum == 1:
+    (loss, aux), grads = grad_fn(params, frozen, batch)
+  else:
+    micro = microbatches(batch, grad_accum)
+
+    def accumulate(carry, mb):
+      (l, a), g = grad_fn(params, frozen, mb)
+      return jax.tree.map(jnp.add, carry, (l, a, g)), None
+
+    zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+        lambda: loss_fn(params, frozen, jax.tree.map(lambda x: x[0], micro))[1]))
+    init = (jnp.zeros((), jnp.float32), zero_aux, jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(accumulate, init, micro)
+    loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, total)
+  new_state, metrics = apply_gradients(state, grads, loss, tx=tx, schedule=schedule,
+                                       inject_nan=inject_nan)
+  return new_state, {**aux, **metrics}
 
 
 def eval_step(params, batch, *, graphdef):

@@ -46,8 +46,25 @@ def load_tokenizer(workdir: str) -> Tokenizer:
   return Tokenizer.load(os.path.join(workdir, "tokenizer"))
 
 
+MERGED = "merged"  # a LoRA run's base + adapters, as a plain workdir inside its own
+
+
+def save_model(workdir: str, model_cfg: ModelConfig, tokenizer: Tokenizer, params,
+               step: int) -> None:
+  """A loadable workdir holding just `params` at `step` (no optimizer or data state)."""
+  import orbax.checkpoint as ocp
+  save_metadata(workdir, model_cfg, tokenizer)
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  with ocp.CheckpointManager(directory, item_names=("state",),
+                             options=ocp.CheckpointManagerOptions(create=True)) as manager:
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})),
+                 force=True)
+    manager.wait_until_finished()
+
+
 def load_trained(workdir: str, step: int | None = None):
-  """(model, tokenizer, step) from the newest checkpoint of a training workdir."""
+  """(model, tokenizer, step) from the newest checkpoint of a training workdir (of a LoRA
+  run: its merged model, WORKDIR/merged)."""
   from train.checkpoint import restore_params
   from train.state import abstract_model
 
@@ -55,6 +72,8 @@ def load_trained(workdir: str, step: int | None = None):
     raise FileNotFoundError(f"workdir {workdir} does not exist")
   if not is_workdir(workdir):
     raise FileNotFoundError(f"{workdir} is not a meshlm workdir (no {MODEL_CONFIG})")
+  if is_workdir(os.path.join(workdir, MERGED)):
+    return load_trained(os.path.join(workdir, MERGED), step)
   model_cfg = load_model_config(workdir)
   graphdef, abstract_params = abstract_model(model_cfg)
   params, step = restore_params(workdir, abstract_params, step)
