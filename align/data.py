@@ -2,6 +2,7 @@
 
 Records (JSONL, one object a line; `.jsonl.gz` too):
   SFT          {"messages": [{"role", "content"}, ...]} or {"prompt": str, "response": str}
+               or an hh-rlhf record (its "chosen" transcript)
   preference   {"chosen": hh, "rejected": hh} (Anthropic hh-rlhf: "\\n\\nHuman: ...\\n\\nAssistant: ..."
                transcripts sharing all but the last assistant turn), or
                {"prompt": str | messages, "chosen": str, "rejected": str}
@@ -15,9 +16,9 @@ model learns to stop; a template must close an assistant turn with the EOS token
 
 Rows: a tokenized example is (ids_N, mask_N), mask 1 on the response tokens (targets). A row
 feeds the model ids[:-1] and predicts ids[1:], so an example fits `max_len` = T, the batch
-length, iff N - 1 <= T. Too long: SFT examples are skipped; preference pairs drop their
-oldest whole (user, assistant) turns first (never part of a turn, never the last user turn)
-and are skipped only if still too long; both are counted in the DataReport.
+length, iff N - 1 <= T. Too long: SFT conversations (`tokenize_sft_turns`) and preference
+pairs drop their oldest whole (user, assistant) turns first (never part of a turn, never the
+last exchange) and are skipped only if still too long; both are counted in the DataReport.
 
 Bad records are skipped and counted by reason (REASONS), never trained on, never a crash
 mid-way; `DataReport.check` refuses a dataset that is mostly garbage.
@@ -160,7 +161,8 @@ def pair_from_record(record) -> Pair:
 
 
 def sft_from_record(record) -> list[dict]:
-  """An SFT record ({"messages"} or {"prompt", "response"}) -> messages ending with assistant."""
+  """An SFT record ({"messages"}, {"prompt", "response"} or hh-rlhf {"chosen"}) -> messages
+  ending with assistant."""
   if isinstance(record, dict) and isinstance(record.get("messages"), list):
     return check_messages(record["messages"], end_role="assistant")
   if isinstance(record, dict) and "prompt" in record and "response" in record:
@@ -168,7 +170,11 @@ def sft_from_record(record) -> list[dict]:
       raise BadRecord("missing_fields", "'prompt' must be a non-empty string")
     return [{"role": "user", "content": record["prompt"].strip()},
             {"role": "assistant", "content": _response(record["response"], "response")}]
-  raise BadRecord("missing_fields", "an SFT record needs 'messages' or 'prompt' and 'response'")
+  if isinstance(record, dict) and isinstance(record.get("chosen"), str):
+    # An hh-rlhf preference record: its chosen transcript is a demonstration.
+    return check_messages(parse_hh(record["chosen"]), end_role="assistant")
+  raise BadRecord("missing_fields", "an SFT record needs 'messages', 'prompt' and 'response', "
+                  "or an hh-rlhf 'chosen' transcript")
 
 
 # --- Messages -> token ids and response masks ---
@@ -247,6 +253,21 @@ def tokenize_sft(tokenizer, messages: Sequence[dict], max_len: int):
   return ids, mask
 
 
+def tokenize_sft_turns(tokenizer, messages: Sequence[dict], max_len: int):
+  """(ids_N, mask_N, dropped): as tokenize_sft, but a conversation too long drops its oldest
+  whole (user, assistant) turns first (keeping a system turn and the last exchange)."""
+  messages = check_messages(messages, end_role="assistant")
+  system = messages[:1] if messages[0]["role"] == "system" else []
+  turns, dropped = messages[len(system):], 0
+  while True:
+    try:
+      return (*tokenize_sft(tokenizer, system + turns, max_len), dropped)
+    except BadRecord:
+      if len(turns) <= 2:
+        raise
+      turns, dropped = turns[2:], dropped + 1
+
+
 def tokenize_pair(tokenizer, prompt: Sequence[dict], chosen: str, rejected: str,
                   max_len: int, drop_turns: bool = True):
   """((ids, mask) chosen, (ids, mask) rejected, dropped turns): identical prompt ids, mask 1
@@ -290,10 +311,11 @@ def read_records(paths: str | Sequence[str], report: DataReport) -> Iterable[tup
       yield f"{path}:{line_no}", record
 
 
-def load_pairs(paths, tokenizer, max_len: int, drop_turns: bool = True):
-  """(list of (chosen row, rejected row), DataReport) from preference JSONL files."""
-  report, pairs = DataReport(), []
-  for where, record in read_records(paths, report):
+def tokenize_pairs(records, report: DataReport, tokenizer, max_len: int,
+                   drop_turns: bool = True) -> list:
+  """(chosen row, rejected row) of each usable (where, record); the rest are counted."""
+  pairs = []
+  for where, record in records:
     try:
       p = pair_from_record(record)
       chosen, rejected, dropped = tokenize_pair(tokenizer, p.prompt, p.chosen, p.rejected,
@@ -304,20 +326,41 @@ def load_pairs(paths, tokenizer, max_len: int, drop_turns: bool = True):
     pairs.append((chosen, rejected))
     report.kept += 1
     report.truncated += dropped > 0
-  return pairs, report
+  return pairs
+
+
+def tokenize_sft_records(records, report: DataReport, tokenizer, max_len: int,
+                         drop_turns: bool = False) -> list:
+  """(ids, mask) of each usable (where, record); the rest are counted. `drop_turns`: a
+  conversation too long drops its oldest exchanges first (tokenize_sft_turns)."""
+  examples = []
+  for where, record in records:
+    try:
+      messages = sft_from_record(record)
+      if drop_turns:
+        ids, mask, dropped = tokenize_sft_turns(tokenizer, messages, max_len)
+      else:
+        (ids, mask), dropped = tokenize_sft(tokenizer, messages, max_len), 0
+    except BadRecord as e:
+      report.skip(e, where)
+      continue
+    examples.append((ids, mask))
+    report.kept += 1
+    report.truncated += dropped > 0
+  return examples
+
+
+def load_pairs(paths, tokenizer, max_len: int, drop_turns: bool = True):
+  """(list of (chosen row, rejected row), DataReport) from preference JSONL files."""
+  report = DataReport()
+  return tokenize_pairs(read_records(paths, report), report, tokenizer, max_len,
+                        drop_turns), report
 
 
 def load_sft(paths, tokenizer, max_len: int):
   """(list of (ids, mask), DataReport) from SFT JSONL files."""
-  report, examples = DataReport(), []
-  for where, record in read_records(paths, report):
-    try:
-      examples.append(tokenize_sft(tokenizer, sft_from_record(record), max_len))
-    except BadRecord as e:
-      report.skip(e, where)
-      continue
-    report.kept += 1
-  return examples, report
+  report = DataReport()
+  return tokenize_sft_records(read_records(paths, report), report, tokenizer, max_len), report
 
 
 # --- Batches ---
