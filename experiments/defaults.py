@@ -20,6 +20,7 @@ def base_config() -> ConfigDict:
   c.log_every = 10
   c.eval_every = 100
   c.eval_batches = 4
+  c.eval_at_start = False   # also evaluate the starting model (step 0), a baseline
   c.checkpoint_every = 200
   c.keep_checkpoints = 3
   c.keep_checkpoint_every = 0   # >0: also keep every checkpoint whose step is a multiple of this
@@ -45,6 +46,7 @@ def base_config() -> ConfigDict:
   c.data.num_shards = 0      # 0: one shard per process; fix it to compare process counts
   c.data.task = "lm"         # "lm": packed documents | "seq2seq": train/seq2seq_data.py pairs
                              # | "mlm": masked packed documents for encoders (train/mlm_data.py)
+  c.data.validation_path = ""  # alignment runs: held-out files (else a hash split by prompt)
   c.data.mlm = ConfigDict(dict(mask_prob=0.15))  # BERT: 15% chosen; 80% [MASK], 10% random
   # data.task="seq2seq": how (source, target) pairs are made (train/seq2seq_data.py).
   c.data.seq2seq = ConfigDict(dict(
@@ -52,6 +54,36 @@ def base_config() -> ConfigDict:
       min_words=3, max_words=6,   # lines of this many words become sources
       source_key="source", target_key="target",  # transform "": the .jsonl fields
       source_len=32))             # encoder length S; a longer source is an error
+
+  # Alignment (`meshlm sft|rm|dpo|distill`, align/): data.path holds JSONL records
+  # (align/data.py), rows are seq_len tokens, batch_size counts sequences or pairs.
+  c.align = ConfigDict()
+  c.align.lora_rank = 0          # >0: train LoRA adapters on a frozen base (align/lora.py)
+  c.align.lora_alpha = 16.0
+  c.align.lora_targets = "wq_DNH,wk_DKH,wv_DKH,wo_NHD,gate_DF,up_DF,down_FD"
+  c.align.drop_turns = True      # pairs too long for seq_len drop their oldest turns first
+  c.align.max_skipped_fraction = 0.5  # refuse data of which more than this is bad
+  c.align.rm = ConfigDict(dict(head_std=0.02, center_coef=0.0))
+  c.align.dpo = ConfigDict(dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0,
+                                reference_free=False, reference="online"))  # | "cached"
+  c.align.distill = ConfigDict(dict(teacher="", temperature=2.0, alpha=0.5,
+                                    response_only=False))
+  # On-policy RL (`meshlm ppo|grpo`, align/ppo.py, align/grpo.py): batch_size counts sampled
+  # completions; rows hold prompt + completion in seq_len tokens. reward: align/rewards.py
+  # ("letter:e", "word:W", "length:LO:HI", "rm:WORKDIR"); prompts: "chat" | "text".
+  c.align.ppo = ConfigDict(dict(
+      reward="letter:e", prompts="chat", max_new_tokens=32, temperature=0.7,
+      kl_coef=0.05, kl_estimator="k1",   # | "k3"
+      kl_target=0.0, kl_horizon=10000.0,  # kl_target > 0: adaptive kl_coef (Ziegler et al.)
+      gamma=1.0, lam=0.95, whiten_advantages=True, clip=0.2, value_clip=0.2, vf_coef=0.1,
+      entropy_coef=0.0, epochs=4, minibatches=1))  # epochs x minibatches updates a step
+  c.align.grpo = ConfigDict(dict(
+      reward="letter:e", prompts="chat", max_new_tokens=32, temperature=1.0,
+      group_size=4,                       # completions per prompt (batch_size // G prompts)
+      beta=0.04,                          # k3 KL to the reference; 0: no reference
+      clip=0.2, clip_high=0.0,            # clip_high 0: = clip
+      loss_type="grpo",                   # | "bnpo" | "dr_grpo"
+      epochs=1, minibatches=1))
 
   c.optimizer = ConfigDict()
   c.optimizer.lr = 3e-4

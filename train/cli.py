@@ -1,6 +1,9 @@
 """The `meshlm` command line.
 
   meshlm train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
+  meshlm sft|rm|dpo|distill --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE ...]
+                  (alignment on the same loop: align/tasks.py)
+  meshlm ppo|grpo (as above: on-policy RL, align/ppo.py, align/grpo.py)
   meshlm generate --model PATH_OR_WORKDIR --prompt TEXT [--max_new_tokens N] [--chat]
                   [--temperature T] [--top_k K] [--top_p P] [--min_p P]
                   [--repetition_penalty R] [--seed S] [--gguf_quantized] [--kv_dtype int8]
@@ -17,13 +20,14 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-COMMANDS = ("train", "generate", "plan", "quantize", "embed")
+TRAIN_COMMANDS = ("train", "sft", "rm", "dpo", "distill", "ppo", "grpo")
+COMMANDS = TRAIN_COMMANDS + ("generate", "plan", "quantize", "embed")
 
 
 def _parse(argv: list[str]):
   """absl parsing of everything after the subcommand; returns the FlagValues."""
   fv = flags.FlagValues()
-  if argv[0] == "train":
+  if argv[0] in TRAIN_COMMANDS:
     # sys_argv: override flags (--config.a.b=v) are discovered from these args.
     config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
                                     lock_config=True, sys_argv=["meshlm"] + argv[1:])
@@ -68,14 +72,28 @@ def _require(fv, *names):
     raise SystemExit(f"meshlm: missing required flag(s): {', '.join('--' + n for n in missing)}")
 
 
-def run_train(fv) -> None:
+def make_task(command: str, config, workdir: str):
+  """None (pretraining: the loop's LMTask) or the alignment task of `command`."""
+  if command == "train":
+    return None
+  from align.distill import DistillTask
+  from align.dpo import DPOTask
+  from align.grpo import GRPOTask
+  from align.ppo import PPOTask
+  from align.reward import RewardTask
+  from align.sft import SFTTask
+  return {"sft": SFTTask, "rm": RewardTask, "dpo": DPOTask, "distill": DistillTask,
+          "ppo": PPOTask, "grpo": GRPOTask}[command](config, workdir)
+
+
+def run_train(fv, command: str = "train") -> None:
   _require(fv, "workdir")
   config_file = fv["config"].config_filename if fv["config"].present else None
   if config_file is None:
-    raise SystemExit("meshlm train: missing required flag --config")
+    raise SystemExit(f"meshlm {command}: missing required flag --config")
   # "path.py:arg" passes arg to get_config (ml_collections keeps it in the filename).
   if not os.path.isfile(config_file.split(":")[0]):
-    raise SystemExit(f"meshlm train: config file {config_file} does not exist")
+    raise SystemExit(f"meshlm {command}: config file {config_file} does not exist")
   config = fv["config"].value
   from parallel.distributed import initialize
   initialize(fv["coordinator_address"].value, fv["num_processes"].value, fv["process_id"].value)
@@ -88,13 +106,14 @@ def run_train(fv) -> None:
   # Started before compilation so that start-up is covered too; no-op for one process.
   monitor = PeerMonitor(timeout_s=config.peer_timeout_seconds, poll_s=1.0)
   try:
-    last = train(config, fv["workdir"].value)
+    last = train(config, fv["workdir"].value, task=make_task(command, config,
+                                                             fv["workdir"].value))
   except Preempted as e:
     print(f"meshlm: {e}", flush=True)
     raise SystemExit(exit_codes.PREEMPTED) from e
   monitor.close()
   print({k: round(v, 4) for k, v in last.items()})
-  generates = config.model.arch in ("decoder", "prefix_lm")
+  generates = config.model.arch in ("decoder", "prefix_lm") and command == "train"
   if config.sample.prompt and config.sample.max_new_tokens > 0 and generates:
     import jax
     if jax.process_index() == 0:
@@ -163,7 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     return embed_main(argv[1:])
   fv = _parse(argv)
   try:
-    (run_train if argv[0] == "train" else run_generate)(fv)
+    if argv[0] in TRAIN_COMMANDS:
+      run_train(fv, argv[0])
+    else:
+      run_generate(fv)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"meshlm {argv[0]}: error: {e}") from e
 

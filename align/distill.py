@@ -1,0 +1,85 @@
+"""Logit distillation: a small student learns a frozen teacher's next-token distribution
+(forward KL at temperature T, scaled by T²) mixed with the hard-label loss,
+align/preference.distill_loss:  α·T²·KL(p_teacher^T ‖ p_student^T) + (1−α)·CE.
+
+α = 0 is the hard-label baseline (the teacher is still run, for the agreement metric).
+Student and teacher share the tokenizer (the teacher's); the student is usually trained
+from scratch (config.model) and is then a natural draft model for speculative decoding.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from align.logprobs import response_mask
+from align.preference import distill_loss
+from align.tasks import AlignTask
+
+
+class DistillTask(AlignTask):
+  name = "distill"
+  pairs = False
+
+  def validate(self):
+    super().validate()
+    from models import ConfigError
+    d = self.align.distill
+    if not d.temperature > 0 or not 0 <= d.alpha <= 1:
+      raise ConfigError(f"align.distill: temperature={d.temperature} must be > 0 and "
+                        f"alpha={d.alpha} in [0, 1]")
+    if not d.teacher:
+      raise ConfigError("align.distill.teacher: the teacher model (HF dir, .gguf or workdir) "
+                        "is required")
+    if not os.path.exists(d.teacher):
+      raise FileNotFoundError(f"align.distill.teacher: {d.teacher} does not exist")
+
+  def more_frozen(self, plan, params, mesh, layout):
+    from models import ConfigError, load_pretrained
+    path = self.align.distill.teacher
+    from train.workdir import is_workdir, load_trained
+    teacher = load_trained(path)[0] if is_workdir(path) else load_pretrained(path)[0]
+    if teacher.cfg.vocab_size != plan.model_cfg.vocab_size:
+      raise ConfigError(f"teacher vocab_size {teacher.cfg.vocab_size} != student "
+                        f"model.vocab_size {plan.model_cfg.vocab_size}: they must share the "
+                        "teacher's tokenizer")
+    self.teacher_graphdef, teacher_params = nnx.split(teacher, nnx.Param)
+    return {"teacher": self.place(teacher_params, mesh, layout)}
+
+  def _mask(self, batch):
+    if self.align.distill.response_only:
+      return response_mask(batch)
+    return (batch["segment_ids"] > 0).astype(jnp.float32)
+
+  def _terms(self, trainable, frozen, batch):
+    args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    student_BTV = self.policy(trainable, frozen)(*args)
+    teacher = nnx.merge(self.teacher_graphdef, frozen["teacher"])
+    teacher_BTV = jax.lax.stop_gradient(teacher(*args))
+    mask_BT = self._mask(batch)
+    d = self.align.distill
+    loss, metrics = distill_loss(student_BTV, teacher_BTV, batch["targets"], mask_BT,
+                                 temperature=d.temperature, alpha=d.alpha)
+    return loss, metrics, jnp.sum(mask_BT)
+
+  def loss(self, trainable, frozen, batch):
+    if self.align.distill.alpha == 0:  # hard labels only: no teacher pass while training
+      mask_BT = self._mask(batch)
+      logits_BTV = self.policy(trainable, frozen)(batch["inputs"], batch["positions"],
+                                                  batch["segment_ids"])
+      logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), -1)
+      ce_BT = -jnp.take_along_axis(logp_BTV, batch["targets"][..., None], -1)[..., 0]
+      n = jnp.sum(mask_BT)
+      ce = jnp.sum(ce_BT * mask_BT) / jnp.maximum(n, 1.0)
+      return ce, {"ce": jax.lax.stop_gradient(ce), "tokens": n}
+    loss, metrics, n = self._terms(trainable, frozen, batch)
+    return loss, {**metrics, "tokens": n}
+
+  def eval_sums(self, trainable, frozen, batch):
+    loss, metrics, n = self._terms(trainable, frozen, batch)
+    return {"loss": loss * n, **{k: v * n for k, v in metrics.items()}, "count": n}
+
+  def finish_eval(self, out, n):
+    out["val_ppl"] = float(jnp.exp(out["val_ce"]))
+    return out

@@ -1,0 +1,125 @@
+"""Direct preference optimisation on the shared loop: the policy's summed response
+log-probs on chosen and rejected rows (one forward over both, [2B, T]) against the
+reference's, through align/preference.dpo_loss (sigmoid, IPO, hinge, robust; reference-free).
+
+The reference is, by `align.dpo.reference`:
+  online   recomputed each step: the frozen base under LoRA (one backbone for both), else a
+           frozen copy of the starting params
+  cached   computed once before training over every pair of both splits, saved to
+           WORKDIR/ref_logps_{split}.npy and carried with the dataset (no reference forward
+           per step; a restart reloads the file)
+Either way it is frozen: outside the differentiated params, behind stop_gradient.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from align.datasets import join_pairs, pair_valid
+from align.logprobs import response_lengths, sequence_logps, split_pairs
+from align.preference import dpo_loss
+from align.tasks import AlignTask, pair_sums
+from align.data import pair_batch
+
+REFERENCES = ("online", "cached")
+
+
+class DPOTask(AlignTask):
+  name = "dpo"
+
+  def __init__(self, config, workdir):
+    super().__init__(config, workdir)
+    self.cached = self.align.dpo.reference == "cached" and not self.align.dpo.reference_free
+
+  def validate(self):
+    super().validate()
+    from models import ConfigError
+    d = self.align.dpo
+    if d.reference not in REFERENCES:
+      raise ConfigError(f"align.dpo.reference={d.reference!r}; choose one of {REFERENCES}")
+    try:  # the loss's own checks (loss_type, beta, label_smoothing), on a dummy pair
+      zero = jnp.zeros((1,))
+      dpo_loss(zero, zero, zero, zero, beta=d.beta, loss_type=d.loss_type,
+               label_smoothing=d.label_smoothing, reference_free=d.reference_free)
+    except ValueError as e:
+      raise ConfigError(f"align.dpo: {e}") from None
+
+  # --- the reference ---
+
+  def more_frozen(self, plan, params, mesh, layout):
+    if self.rank or self.cached or self.align.dpo.reference_free:
+      return {}
+    return {"ref": jax.tree.map(jnp.copy, params)}  # full fine-tuning: keep the start
+
+  def ref_params(self, frozen):
+    return frozen["model"] if self.rank else frozen["ref"]
+
+  def reference_logps(self, frozen, batch, joined):
+    """(chosen_B, rejected_B) reference log-probs, or (None, None) when reference-free."""
+    if self.align.dpo.reference_free:
+      return None, None
+    if "ref_chosen_logps" in batch:
+      return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+    ref = nnx.merge(self.graphdef, self.ref_params(frozen))
+    return split_pairs(jax.lax.stop_gradient(sequence_logps(ref, joined)))
+
+  def cached_refs(self, plan, split, pairs):
+    if not self.cached or not pairs:
+      return None
+    path = os.path.join(self.workdir, f"ref_logps_{split}.npy")
+    if os.path.exists(path):
+      refs = np.load(path)
+      if refs.shape == (len(pairs), 2):
+        return refs
+    params = self.initial_params(plan)  # the starting model is the reference
+    score = jax.jit(lambda p, b: sequence_logps(nnx.merge(self.graphdef, p), b))
+    rows = int(self.config.batch_size)
+    refs = []
+    for i in range(0, len(pairs), rows):
+      chunk = list(pairs[i:i + rows])
+      n = len(chunk)
+      chunk += [chunk[-1]] * (rows - n)  # one compiled shape
+      logps_2B = np.asarray(score(params, pair_batch(chunk, self.config.seq_len)))
+      refs.append(np.stack([logps_2B[:rows], logps_2B[rows:]], axis=1)[:n])
+    refs = np.concatenate(refs).astype(np.float32)
+    if jax.process_index() == 0:
+      tmp = path + ".tmp.npy"
+      np.save(tmp, refs)
+      os.replace(tmp, path)
+    return refs
+
+  # --- loss and metrics ---
+
+  def pair_terms(self, trainable, frozen, batch):
+    joined = join_pairs(batch)
+    chosen_B, rejected_B = split_pairs(sequence_logps(self.policy(trainable, frozen), joined))
+    ref_chosen_B, ref_rejected_B = self.reference_logps(frozen, batch, joined)
+    d = self.align.dpo
+    lengths = split_pairs(response_lengths(joined)) if d.loss_type == "ipo" else (None, None)
+    loss_B, metrics = dpo_loss(chosen_B, rejected_B, ref_chosen_B, ref_rejected_B,
+                               beta=d.beta, loss_type=d.loss_type,
+                               label_smoothing=d.label_smoothing,
+                               reference_free=d.reference_free, chosen_lengths_B=lengths[0],
+                               rejected_lengths_B=lengths[1])
+    return loss_B, metrics, (chosen_B, rejected_B, ref_chosen_B, ref_rejected_B)
+
+  def loss(self, trainable, frozen, batch):
+    loss_B, metrics, _ = self.pair_terms(trainable, frozen, batch)
+    return jnp.mean(loss_B), metrics
+
+  def eval_sums(self, trainable, frozen, batch):
+    loss_B, _, (c_B, r_B, ref_c_B, ref_r_B) = self.pair_terms(trainable, frozen, batch)
+    beta = self.align.dpo.beta
+    zero = jnp.zeros_like(c_B)
+    rc_B = beta * (c_B - (zero if ref_c_B is None else ref_c_B))
+    rr_B = beta * (r_B - (zero if ref_r_B is None else ref_r_B))
+    per_pair = {"loss": loss_B, "rewards/chosen": rc_B, "rewards/rejected": rr_B,
+                "rewards/margins": rc_B - rr_B, "rewards/accuracies": rc_B > rr_B,
+                "logps/chosen": c_B, "logps/rejected": r_B,
+                # The policy's own preference, meaningful before training too (where the
+                # implicit reward is 0 for every pair).
+                "policy/prefers_chosen": c_B > r_B}
+    return pair_sums(per_pair, pair_valid(batch))

