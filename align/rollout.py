@@ -1,0 +1,398 @@
+"""On-policy data: prompts -> completions sampled from the current policy -> training rows,
+and OnPolicyTask, what PPO (align/ppo.py) and GRPO (align/grpo.py) share.
+
+Prompts (`align.{ppo,grpo}.prompts`), at most seq_len - max_new_tokens tokens each:
+  chat   align/data.py records (hh-rlhf pairs, prompt/chosen/rejected, messages, {"prompt"}):
+         the conversation before its last answer with the generation prompt (encode_chat),
+         split by first user turn like the other alignment data; too long: the oldest turns
+         go first (align.drop_turns), then the prompt is skipped
+  text   train/data.py documents (data.text_key of .jsonl; .txt split on data.doc_separator,
+         "\n": a prompt a line), encoded raw and cut to fit
+`prepare` samples completions into align/data.py's [B, T] layout, loss_mask 1 exactly on
+the completion's targets (EOS included), on one inference Engine (infer/engine.py) whose
+state is swapped for the current params: its jitted prefill/decode take params as an
+argument, so they compile once per shape, never per step. Row r of step s samples with its
+own seed, a hash of (config.seed, s, r): a resumed run samples what an uninterrupted one would.
+"""
+
+import dataclasses
+import functools
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from align import datasets as ds_lib
+from align.data import (BadRecord, DataReport, _empty, _place, check_messages, encode_chat,
+                        pair_from_record, sft_from_record)
+from align.logprobs import response_mask, token_logps
+from align.rewards import make_scorer
+from align.tasks import AlignTask
+from infer.engine import Engine
+from infer.sampling import SamplingParams
+from models.registry import model_inputs
+from train import data as data_lib
+from train import step as step_lib
+from train.optimizer import make_optimizer
+
+PROMPT_FORMATS = ("chat", "text")
+TRAIN, EVAL = 0, 1  # seed namespaces: training rollouts, evaluation rollouts
+
+
+# --- Prompts ---
+
+
+def prompt_messages(record) -> list[dict]:
+  """The messages a chat record prompts with: up to (and ending with) its last user turn."""
+  if isinstance(record, dict) and "chosen" in record and "rejected" in record:
+    return list(pair_from_record(record).prompt)
+  if isinstance(record, dict) and isinstance(record.get("prompt"), str) and \
+      "response" not in record:
+    if not record["prompt"].strip():
+      raise BadRecord("missing_fields", "'prompt' must be a non-empty string")
+    return [{"role": "user", "content": record["prompt"].strip()}]
+  return sft_from_record(record)[:-1]  # the conversation before its last answer
+
+
+def _chat_prompt(tokenizer, messages, max_prompt_len: int, drop_turns: bool):
+  """(ids, dropped turns): too long a prompt drops its oldest (user, assistant) turns first
+  (as align/data.tokenize_pair), keeping a system turn and the last user turn."""
+  messages = check_messages(messages, end_role="user")
+  system = messages[:1] if messages[0]["role"] == "system" else []
+  turns, dropped = messages[len(system):], 0
+  while True:
+    ids, _ = encode_chat(tokenizer, system + turns, add_generation_prompt=True)
+    if len(ids) <= max_prompt_len:
+      return ids, dropped
+    if not drop_turns or len(turns) == 1:
+      raise BadRecord("too_long", f"prompt of {len(ids)} tokens > {max_prompt_len}")
+    turns, dropped = turns[2:], dropped + 1
+
+
+def load_prompt_split(data_cfg, tokenizer, split: str, max_prompt_len: int, fmt: str = "chat"):
+  """(list of int32 prompt ids, DataReport) of one split. data_cfg: config.data's path,
+  val_fraction, validation_path, text_key, doc_separator."""
+  if fmt not in PROMPT_FORMATS:
+    raise ValueError(f"prompts={fmt!r}; choose one of {PROMPT_FORMATS}")
+  report, prompts = DataReport(), []
+  if fmt == "text":
+    paths, val_fraction = ds_lib.split_sources(data_cfg, split)
+    docs = data_lib.read_documents(paths, text_key=data_cfg["text_key"],
+                                   doc_separator=data_cfg["doc_separator"])
+    if not data_cfg.get("validation_path"):
+      docs = [] if split == "validation" and not val_fraction else \
+          data_lib.split_documents(docs, split, val_fraction)
+    for doc in docs:
+      ids = tokenizer.encode(doc.strip())
+      report.truncated += len(ids) > max_prompt_len
+      prompts.append(np.asarray(ids[:max_prompt_len], np.int32))
+      report.kept += 1
+    return prompts, report
+  for where, record in ds_lib._split_items(data_cfg, split, report):
+    try:
+      ids, dropped = _chat_prompt(tokenizer, prompt_messages(record), max_prompt_len,
+                                  bool(data_cfg.get("drop_turns", True)))
+    except BadRecord as e:
+      report.skip(e, where)
+      continue
+    prompts.append(ids)
+    report.kept += 1
+    report.truncated += dropped > 0
+  return prompts, report
+
+
+def _prompt_row(ids, length: int) -> dict:
+  return {"prompt_ids": np.pad(ids, (0, length - len(ids))).astype(np.int32),
+          "prompt_len": np.int32(len(ids))}
+
+
+def prompt_dataset(prompts, *, batch_size: int, max_prompt_len: int, split: str, seed: int,
+                   process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+  """Batches of {"prompt_ids" int32 [batch_size, max_prompt_len], "prompt_len" [batch_size]}:
+  train endless and shuffled, validation one pass padded with empty (length 0) prompts."""
+  empty = np.zeros(0, np.int32)
+  if split == "validation":
+    ds = ds_lib._padded_shard(list(prompts), empty, batch_size, process_index, process_count)
+  elif not prompts:
+    raise ValueError("prompt_dataset: no training prompts")
+  else:
+    ds = grain.MapDataset.source(list(prompts)).shuffle(seed=seed).repeat()
+    ds = ds[process_index::process_count]
+  ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len))
+  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(ds_lib._READ)
+
+
+def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN) -> list[int]:
+  """A uint32 sampling seed per row, a hash of (seed, namespace, step, row)."""
+  return [int(np.random.SeedSequence([seed, namespace, step, r]).generate_state(1)[0])
+          for r in range(rows)]
+
+
+class Sampler:
+  """Temperature sampling from changing params on one Engine (built at the first call)."""
+
+  def __init__(self, graphdef, tokenizer, max_seq_len: int, max_batch: int):
+    self.graphdef, self.tokenizer = graphdef, tokenizer
+    self.max_seq_len, self.max_batch = max_seq_len, max_batch
+    self.engine = None
+
+  def __call__(self, params, prompts: list[list[int]], seeds: list[int], *,
+               temperature: float, max_new_tokens: int):
+    """infer.engine.Results, one per prompt, sampled from the model `params` make."""
+    if self.engine is None:
+      self.engine = Engine(nnx.merge(self.graphdef, params), self.tokenizer, self.max_seq_len,
+                           self.max_batch)
+    self.engine.state = params  # same tree and shardings: the compiled steps are reused
+    sampling = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=s)
+                for s in seeds]
+    return self.engine.generate(prompts, sampling)
+
+
+@dataclasses.dataclass
+class Rollout:
+  """Sampled completions: `batch` [B, T] (align/data.py layout), texts for the rewards."""
+  batch: dict
+  prompt_texts: list[str]
+  completion_texts: list[str]
+  finish_reasons: list[str]
+
+  @property
+  def valid_B(self) -> np.ndarray:  # 1 for a real row, 0 for a padding prompt's
+    return (self.batch["segment_ids"][:, 0] > 0).astype(np.float32)
+
+
+def completion_batch(prompts, completions, seq_len: int) -> dict:
+  """[B, T] rows of prompt + completion ids (a None completion: an all-0 padding row);
+  loss_mask 1 on the completion's targets."""
+  batch = _empty(len(prompts), seq_len)
+  for b, (prompt, completion) in enumerate(zip(prompts, completions)):
+    if completion is None:
+      continue
+    ids = np.asarray(list(prompt) + list(completion), np.int32)
+    mask = np.asarray([0] * len(prompt) + [1] * len(completion), np.int32)
+    if len(ids) - 1 > seq_len:
+      raise ValueError(f"row {b}: prompt + completion = {len(ids)} tokens > seq_len + 1")
+    _place(batch, b, 0, 1, ids, mask)
+  return batch
+
+
+def sample_rollout(sampler: Sampler, params, prompt_batch: dict, seeds: list[int], *,
+                   seq_len: int, temperature: float, max_new_tokens: int,
+                   repeat: int = 1) -> Rollout:
+  """Samples `repeat` completions of each prompt of a prompt batch (consecutive rows: prompt
+  b gives rows b*repeat ... b*repeat + repeat - 1); one seed per row."""
+  ids_BT, len_B = np.asarray(prompt_batch["prompt_ids"]), np.asarray(prompt_batch["prompt_len"])
+  prompts = [ids_BT[b, :len_B[b]].tolist() for b in range(len(len_B)) for _ in range(repeat)]
+  real = [len(p) > 0 for p in prompts]
+  dummy = [sampler.tokenizer.eos_id or 0]  # padding prompts: sampled for a fixed shape, unused
+  results = sampler(params, [p if ok else dummy for p, ok in zip(prompts, real)], seeds,
+                    temperature=temperature, max_new_tokens=max_new_tokens)
+  batch = completion_batch(prompts, [r.token_ids if ok else None for r, ok in zip(results, real)],
+                           seq_len)
+  decode = sampler.tokenizer.decode
+  return Rollout(batch, [decode(p) if p else "" for p in prompts],
+                 [r.text if ok else "" for r, ok in zip(results, real)],
+                 [r.finish_reason for r in results])
+
+
+def policy_forward(model, batch, temperature: float):
+  """(x_BTD hidden states, logits_BTV / temperature): the distribution that was sampled
+  (temperature 0, greedy, keeps the raw logits)."""
+  x_BTD = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"],
+                       **model_inputs(model.cfg, batch))
+  logits_BTV = model._unembed(x_BTD)  # one forward for logits and a value head's input
+  if temperature > 0:
+    logits_BTV = logits_BTV / jnp.asarray(temperature, logits_BTV.dtype)
+  return x_BTD, logits_BTV
+
+
+def completion_logps(logits_BTV, batch, mask_BT):
+  """token_logps_BT of the targets, exactly 0 off the completion."""
+  return jnp.where(mask_BT > 0, token_logps(logits_BTV, batch["targets"]), 0.0)
+
+
+# --- The task PPO and GRPO share ---
+
+VALUE = "value_head"  # PPO's value head, kept beside the LM's params (align/ppo.py)
+
+
+def lm_only(params):
+  """`params` without a value head: the LM's own params (what Engine, the reference and an
+  exported model take)."""
+  if VALUE not in params:
+    return params
+  return nnx.State({k: v for k, v in dict(params).items() if k != VALUE})
+
+
+def update_step(state, batch, frozen, *, loss_fn, tx, schedule, epochs: int, minibatches: int,
+                seed: int, inject_nan: bool = False):
+  """epochs x minibatches optimizer updates on one rollout batch, as one loop step: each
+  epoch visits the rows in a fresh order (from (seed, step): resume is exact) split into
+  `minibatches` equal parts. The state's step advances by 1; the optimizer's own count by
+  epochs x minibatches (the task's optimizer schedule is stretched to match). Metrics: the
+  mean over the updates (`skipped`: the max)."""
+  rows = next(iter(batch.values())).shape[0]
+  key = jax.random.fold_in(jax.random.key(seed), state["step"])
+  # [epochs * minibatches, rows / minibatches]: the rows of each update, in order
+  order = jnp.stack([jax.random.permutation(jax.random.fold_in(key, e), rows)
+                     for e in range(epochs)]).reshape(epochs * minibatches, -1)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def one(st, idx):
+    mb = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+    (loss, aux), grads = grad_fn(st["params"], frozen, mb)
+    st, m = step_lib.apply_gradients(st, grads, loss, tx=tx, schedule=schedule,
+                                     inject_nan=inject_nan)
+    return st, {**aux, **m}
+
+  new, per_update = jax.lax.scan(one, state, order)
+  metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), per_update)
+  metrics["skipped"] = jnp.max(per_update["skipped"])
+  metrics["lr"] = schedule(state["step"] * epochs * minibatches)
+  return dict(new, step=state["step"] + 1), metrics
+
+
+class OnPolicyTask(AlignTask):
+  """Prompt data, rollouts in `prepare`, several updates a step, evaluation by sampling.
+  Subclasses set `section` (config.align.<section>), write `experience` and `loss`.
+
+  The reference (`uses_reference`): the frozen base under LoRA, else a frozen copy of the
+  starting LM. Evaluation samples one completion per validation prompt (fixed seeds) and
+  reports val_reward, val_length (tokens), val_kl (summed log pi - log pi_ref).
+  """
+
+  pairs = False
+  section = ""
+
+  def __init__(self, config, workdir):
+    super().__init__(config, workdir)
+    from models import ConfigError
+    self.rl = self.align[self.section]
+    self.group = self.group_size()
+    new, rows = int(self.rl.max_new_tokens), int(config.batch_size)
+    if not 0 < new < config.seq_len:
+      raise ConfigError(f"align.{self.section}.max_new_tokens={new} must be in "
+                        f"[1, seq_len={config.seq_len})")
+    if jax.process_count() > 1:
+      raise ConfigError(f"meshlm {self.name}: rollouts run in one process only")
+    self.epochs, self.minibatches = int(self.rl.epochs), int(self.rl.minibatches)
+    self.updates = self.epochs * self.minibatches
+    if self.epochs < 1 or self.minibatches < 1 or rows % self.minibatches or rows % self.group:
+      raise ConfigError(f"batch_size={rows} must split into align.{self.section}.minibatches="
+                        f"{self.minibatches} (and groups of {self.group}); epochs >= 1")
+    if self.updates > 1 and config.grad_accum != 1:
+      raise ConfigError("several updates a step (epochs x minibatches > 1) need grad_accum=1")
+    self.max_prompt_len = config.seq_len - new
+    self.temperature = float(self.rl.temperature)
+
+  def group_size(self) -> int:
+    return 1
+
+  @property
+  def uses_reference(self) -> bool:
+    return True
+
+  # --- data ---
+
+  def datasets(self, plan) -> dict:
+    c = self.config
+    self.tokenizer = plan.tokenizer
+    self.scorer = make_scorer(self.rl.reward, plan.tokenizer)
+    data_cfg = {**self.data_cfg(), "text_key": c.data.text_key,
+                "doc_separator": c.data.doc_separator}
+    out = {}
+    for split in data_lib.SPLITS:
+      prompts, report = load_prompt_split(data_cfg, plan.tokenizer, split, self.max_prompt_len,
+                                          self.rl.prompts)
+      ds_lib.write_report(self.workdir, split, report)
+      print(f"meshlm {self.name}: {split} prompts {report.as_dict()}", flush=True)
+      if split == "train" or report.total:
+        report.check(self.align.max_skipped_fraction)
+      out[split] = prompt_dataset(prompts, batch_size=c.batch_size // self.group,
+                                  max_prompt_len=self.max_prompt_len, split=split, seed=c.seed)
+    return out
+
+  # --- params ---
+
+  def init_state(self, plan, tx, mesh, layout):
+    if self.updates > 1:  # the schedule counts optimizer updates: stretch it to match
+      opt = ConfigDict(self.config.optimizer.to_dict())
+      opt.warmup_steps = int(opt.warmup_steps) * self.updates
+      tx, self.schedule = make_optimizer(opt, self.config.steps * self.updates)
+    self.tx = tx
+    out = super().init_state(plan, tx, mesh, layout)
+    self.sampler = Sampler(self.graphdef, plan.tokenizer, self.config.seq_len,
+                           self.config.batch_size)
+    self._lm_params = jax.jit(self.policy_params)
+    self._eval_kl = None
+    return out
+
+  def policy_params(self, trainable, frozen):
+    return lm_only(super().policy_params(trainable, frozen))
+
+  def more_frozen(self, plan, params, mesh, layout):
+    if self.rank or not self.uses_reference:
+      return {}
+    return {"ref": jax.tree.map(jnp.copy, lm_only(params))}  # full fine-tuning: the start
+
+  def ref_params(self, frozen):
+    return lm_only(frozen["model"]) if self.rank else frozen["ref"]
+
+  def logps(self, lm_params, batch, mask_BT):
+    """token logps_BT of the sampled distribution under the LM `lm_params`."""
+    _, logits_BTV = policy_forward(nnx.merge(self.graphdef, lm_params), batch, self.temperature)
+    return completion_logps(logits_BTV, batch, mask_BT)
+
+  # --- steps ---
+
+  def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
+    if self.updates == 1:  # one update a rollout: the shared objective step (grad_accum too)
+      return super().step_fn(self.tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan)
+    step = functools.partial(update_step, loss_fn=self.loss, tx=self.tx, schedule=self.schedule,
+                             epochs=self.epochs, minibatches=self.minibatches,
+                             seed=self.config.seed, inject_nan=inject_nan)
+    return jax.jit(step, in_shardings=(shardings, None, frozen_shardings),
+                   out_shardings=(shardings, None), donate_argnums=0)
+
+  def rollout(self, trainable, frozen, prompt_batch, seeds, repeat: int = 1) -> Rollout:
+    return sample_rollout(self.sampler, self._lm_params(trainable, frozen), prompt_batch, seeds,
+                          seq_len=self.config.seq_len, temperature=self.temperature,
+                          max_new_tokens=int(self.rl.max_new_tokens), repeat=repeat)
+
+  def prepare(self, state, frozen, batch, step: int) -> dict:
+    """The step's batch: completions sampled from the current policy, scored, with the
+    subclass's training fields."""
+    trainable = state["params"]
+    rows = self.config.batch_size
+    rollout = self.rollout(trainable, frozen, batch, row_seeds(self.config.seed, step, rows),
+                           repeat=self.group)
+    scores_B = np.asarray(self.scorer(rollout), np.float32)
+    return self.experience(trainable, frozen, rollout, scores_B, step)
+
+  def experience(self, trainable, frozen, rollout: Rollout, scores_B, step: int) -> dict:
+    raise NotImplementedError
+
+  def evaluate(self, params, frozen, batches, batch_sh) -> dict:
+    if self._eval_kl is None:
+      def kl_B(trainable, frozen, batch):
+        mask_BT = response_mask(batch)
+        return jnp.sum(self.logps(self.policy_params(trainable, frozen), batch, mask_BT) -
+                       self.logps(self.ref_params(frozen), batch, mask_BT), axis=-1)
+      self._eval_kl = jax.jit(kl_B)
+    totals, n = {"reward": 0.0, "length": 0.0, "kl": 0.0}, 0.0
+    for i, batch in enumerate(batches):
+      rows = len(batch["prompt_len"])
+      rollout = self.rollout(params, frozen, batch, row_seeds(self.config.seed, i, rows, EVAL))
+      valid_B = rollout.valid_B
+      totals["reward"] += float(np.sum(valid_B * self.scorer(rollout)))
+      totals["length"] += float(np.sum(valid_B * rollout.batch["loss_mask"].sum(-1)))
+      if self.uses_reference:
+        totals["kl"] += float(np.sum(valid_B * jax.device_get(
+            self._eval_kl(params, frozen, rollout.batch))))
+      n += float(np.sum(valid_B))
+    out = {f"val_{k}": v / max(n, 1.0) for k, v in totals.items()
+           if k != "kl" or self.uses_reference}
+    return {**out, "val_count": n}

@@ -1,0 +1,174 @@
+"""On-policy RL on the shared loop (align/rollout.py, ppo.py, grpo.py, rewards.py): rollouts
+deterministic per seed, masked to the completion, without recompiling per step; PPO and GRPO
+runs of a tiny model; group-normalised advantages; an update that improves its objective;
+exact resume with an adaptive KL coefficient; a reward-model workdir as the reward."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import parallel
+from align import rl
+from align.grpo import GRPOTask
+from align.ppo import KL_LEDGER, PPOTask
+from align.reward import RewardTask
+from align.rewards import make_scorer, reward_fn
+from align.rollout import Rollout, row_seeds
+from test_align_tasks import metrics, tiny
+from train.loop import train
+from train.optimizer import make_optimizer
+from train.setup import plan_run
+from train.task import batch_sharding, to_global
+
+
+def rl_config(section, steps=3, **overrides):
+  c = tiny(steps=steps, **overrides)
+  c.seq_len, c.log_every, c.optimizer.warmup_steps = 128, 1, 0
+  c.eval_batches = 2
+  s = c.align[section]
+  s.max_new_tokens, s.epochs = 6, 1
+  return c
+
+
+@pytest.fixture(scope="module")
+def rm_workdir(tmp_path_factory):
+  """A reward model trained for two steps: a tokenizer for the others and an rm: reward."""
+  workdir = str(tmp_path_factory.mktemp("rm"))
+  config = tiny(steps=2)
+  train(config, workdir, task=RewardTask(config, workdir))
+  return workdir
+
+
+def setup(task_cls, config, workdir):
+  """(task, plan, train iterator, state, frozen), as the loop makes them."""
+  plan = plan_run(config, workdir)
+  task = task_cls(config, workdir)
+  data = task.datasets(plan)
+  tx, _ = make_optimizer(config.optimizer, config.steps)
+  with parallel.axis_rules(plan.layout.rules), jax.set_mesh(plan.mesh):
+    state, _, frozen, _ = task.init_state(plan, tx, plan.mesh, plan.layout)
+  return task, plan, iter(data["train"]), state, frozen
+
+
+def in_context(plan):
+  import contextlib
+  stack = contextlib.ExitStack()
+  stack.enter_context(parallel.axis_rules(plan.layout.rules))
+  stack.enter_context(jax.set_mesh(plan.mesh))
+  return stack
+
+
+def test_programmatic_rewards():
+  assert reward_fn("letter:e")("", "eEx ") == pytest.approx(0.5)
+  assert reward_fn("word:yes")("q", "Yes, yes and no") == pytest.approx(0.5)
+  assert reward_fn("length:2:4")("", "abc") == 1.0
+  assert reward_fn("length:2:4")("", "abcdef") == pytest.approx(1 - 2 / 3)
+  assert reward_fn("length:2:4")("", "x" * 50) == 0.0
+  for bad in ("nope", "letter:ab", "length:5:1", "word"):
+    with pytest.raises(ValueError):
+      reward_fn(bad)
+  rollout = Rollout({}, ["p", "q"], ["eee", "xyz"], ["stop", "length"])
+  np.testing.assert_allclose(make_scorer("letter:e")(rollout), [1.0, 0.0])
+
+
+def test_rollouts_are_deterministic_masked_and_reuse_compiled_code(rm_workdir, tmp_path):
+  from infer import engine
+  config = rl_config("ppo", **{"tokenizer.path": rm_workdir})
+  config.align.ppo.temperature = 1.0
+  task, plan, it, state, frozen = setup(PPOTask, config, str(tmp_path))
+  prompts = next(it)
+  with in_context(plan):
+    seeds = row_seeds(config.seed, 5, config.batch_size)
+    a = task.rollout(state["params"], frozen, prompts, seeds)
+    b = task.rollout(state["params"], frozen, prompts, seeds)
+    sizes = engine._prefill._cache_size(), engine._decode._cache_size()
+    moved = jax.tree.map(lambda x: x * 1.01, state["params"])
+    c = task.rollout(moved, frozen, prompts, row_seeds(config.seed, 6, config.batch_size))
+    assert (engine._prefill._cache_size(), engine._decode._cache_size()) == sizes
+  for k in a.batch:
+    np.testing.assert_array_equal(a.batch[k], b.batch[k])
+  assert a.completion_texts == b.completion_texts
+  assert any((a.batch["inputs"] != c.batch["inputs"]).ravel())  # other seeds, other samples
+  n = config.align.ppo.max_new_tokens
+  for row in range(config.batch_size):
+    p = int(prompts["prompt_len"][row])
+    comp = int(a.batch["segment_ids"][row].sum()) + 1 - p  # a row holds p + comp - 1 inputs
+    assert 1 <= comp <= n
+    np.testing.assert_array_equal(a.batch["inputs"][row, :p], prompts["prompt_ids"][row, :p])
+    want = np.zeros(config.seq_len, np.int32)
+    want[p - 1:p - 1 + comp] = 1  # the targets that are completion tokens, EOS included
+    np.testing.assert_array_equal(a.batch["loss_mask"][row], want)
+    if a.finish_reasons[row] == "stop":
+      assert a.batch["targets"][row, p + comp - 2] == plan.tokenizer.eos_id
+
+
+def test_ppo_with_a_reward_model_on_the_loop(rm_workdir, tmp_path):
+  from train.workdir import load_trained
+  config = rl_config("ppo", **{"tokenizer.path": rm_workdir})
+  config.align.ppo.reward = "rm:" + rm_workdir
+  config.align.ppo.epochs, config.align.ppo.minibatches = 2, 2
+  last = train(config, str(tmp_path), task=PPOTask(config, str(tmp_path)))
+  want = {"loss", "grad_norm", "reward", "kl", "kl_coef", "clipfrac", "approx_kl", "value_loss",
+          "policy_loss", "entropy", "vf_clipfrac", "response_length", "val_reward", "val_kl"}
+  assert want <= set(last)
+  assert all(np.isfinite(v) for v in last.values())
+  assert metrics(str(tmp_path))[0]["kl"] == pytest.approx(0.0, abs=1e-5)  # policy == ref
+  model, _, step = load_trained(str(tmp_path))  # the value head does not stop it loading
+  assert step == config.steps and not hasattr(model, "value_head")
+
+
+def test_grpo_advantages_per_group_and_an_update_improves_the_objective(rm_workdir, tmp_path):
+  from train.step import objective_step
+  lines = tmp_path / "prompts.txt"
+  lines.write_text("".join(f"Tell me about the number {i}.\n" for i in range(40)))
+  config = rl_config("grpo", **{"tokenizer.path": rm_workdir, "data.path": str(lines),
+                                "data.doc_separator": "\n", "data.val_fraction": 0.0})
+  g = config.align.grpo
+  g.prompts, g.reward, g.group_size, g.beta = "text", "letter:e", 2, 0.1
+  g.max_new_tokens, config.batch_size = 12, 8
+  task, plan, it, state, frozen = setup(GRPOTask, config, str(tmp_path / "w"))
+  prompts = next(it)
+  assert prompts["prompt_ids"].shape[0] == config.batch_size // g.group_size
+  with in_context(plan):
+    batch = task.prepare(state, frozen, prompts, 0)
+    rows = batch["inputs"]
+    for b in range(0, config.batch_size, 2):  # a group: one prompt, its own samples
+      p = int(prompts["prompt_len"][b // 2])
+      np.testing.assert_array_equal(rows[b, :p], rows[b + 1, :p])
+    want = rl.grpo_advantages(batch["scores"].reshape(-1, 2)).reshape(-1)
+    np.testing.assert_allclose(batch["advantages"], want, rtol=1e-6)
+    assert np.abs(batch["advantages"]).max() > 0  # some group's samples score differently
+    np.testing.assert_allclose(batch["advantages"].reshape(-1, 2).sum(1), 0.0, atol=1e-5)
+    # One small step lowers the surrogate loss on its batch (first order: a descent step).
+    tx = optax.sgd(0.01)
+    state = dict(state, opt_state=tx.init(state["params"]))
+    gbatch = to_global(batch, batch_sharding(plan.mesh))
+    before, _ = task.loss(state["params"], frozen, gbatch)
+    new, m = objective_step(state, gbatch, frozen, loss_fn=task.loss, tx=tx,
+                            schedule=lambda step: 0.01)
+    after, _ = task.loss(new["params"], frozen, gbatch)
+  assert float(after) < float(before) and m["clipfrac"] == 0.0
+
+
+def test_ppo_resumes_exactly_with_an_adaptive_kl(rm_workdir, tmp_path):
+  def config():
+    c = rl_config("ppo", steps=4, **{"tokenizer.path": rm_workdir})
+    c.checkpoint_every, c.eval_every = 2, 100
+    p = c.align.ppo
+    p.epochs, p.minibatches = 2, 2
+    p.kl_target, p.kl_horizon, p.kl_coef = 0.01, 10.0, 0.2
+    return c
+  whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+  train(config(), whole, task=PPOTask(config(), whole))
+  train(config(), part, stop_at=2, task=PPOTask(config(), part))
+  train(config(), part, task=PPOTask(config(), part))
+  rows_w, rows_p = metrics(whole), metrics(part)
+  for key in ("loss", "kl_coef", "reward", "value_loss"):
+    assert rows_p[-1][key] == pytest.approx(rows_w[-1][key], rel=1e-6), key
+  assert rows_w[-1]["kl_coef"] != rows_w[0]["kl_coef"]  # the controller moved it
+  with open(os.path.join(part, KL_LEDGER)) as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
