@@ -39,11 +39,14 @@ class DistillTask(AlignTask):
     from models import ConfigError, load_pretrained
     path = self.align.distill.teacher
     from train.workdir import is_workdir, load_trained
-    teacher = load_trained(path)[0] if is_workdir(path) else load_pretrained(path)[0]
-    if teacher.cfg.vocab_size != plan.model_cfg.vocab_size:
-      raise ConfigError(f"teacher vocab_size {teacher.cfg.vocab_size} != student "
-                        f"model.vocab_size {plan.model_cfg.vocab_size}: they must share the "
-                        "teacher's tokenizer")
+    teacher, teacher_tok = (load_trained(path)[:2] if is_workdir(path)
+                            else load_pretrained(path))
+    probe = "Distillation needs one tokenizer: Hello, world! 12345 \u00e9t\u00e9"
+    if teacher.cfg.vocab_size != plan.model_cfg.vocab_size or \
+        teacher_tok.encode(probe) != plan.tokenizer.encode(probe):
+      raise ConfigError(f"the student's tokenizer ({plan.tokenizer.vocab_size} tokens, model "
+                        f"vocab_size {plan.model_cfg.vocab_size}) is not the teacher's "
+                        f"({teacher.cfg.vocab_size}): set tokenizer.path to the teacher")
     self.teacher_graphdef, teacher_params = nnx.split(teacher, nnx.Param)
     return {"teacher": self.place(teacher_params, mesh, layout)}
 
@@ -75,6 +78,9 @@ class DistillTask(AlignTask):
       return ce, {"ce": jax.lax.stop_gradient(ce), "tokens": n}
     loss, metrics, n = self._terms(trainable, frozen, batch)
     return loss, {**metrics, "tokens": n}
+
+  def loss_weight(self, batch):
+    return jnp.sum(self._mask(batch))  # a token mean: microbatches weigh by their tokens
 
   def eval_sums(self, trainable, frozen, batch):
     loss, metrics, n = self._terms(trainable, frozen, batch)

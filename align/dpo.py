@@ -6,11 +6,13 @@ The reference is, by `align.dpo.reference`:
   online   recomputed each step: the frozen base under LoRA (one backbone for both), else a
            frozen copy of the starting params
   cached   computed once before training over every pair of both splits, saved to
-           WORKDIR/ref_logps_{split}.npy and carried with the dataset (no reference forward
+           WORKDIR/ref_logps_{split}.npz (with a fingerprint of the
+           pairs and weights it came from) and carried with the dataset (no reference forward
            per step; a restart reloads the file)
 Either way it is frozen: outside the differentiated params, behind stop_gradient.
 """
 
+import hashlib
 import os
 
 import jax
@@ -69,11 +71,18 @@ class DPOTask(AlignTask):
   def cached_refs(self, plan, split, pairs):
     if not self.cached or not pairs:
       return None
-    path = os.path.join(self.workdir, f"ref_logps_{split}.npy")
+    path = os.path.join(self.workdir, f"ref_logps_{split}.npz")
+    # What the log-probs depend on: a cache from other data, rows or weights is stale.
+    digest = hashlib.sha256(f"{self.config.init_from}|{self.config.seq_len}|{self.config.seed}"
+                            .encode())
+    for chosen, rejected in pairs:
+      for ids, mask in (chosen, rejected):
+        digest.update(np.asarray(ids, np.int32).tobytes() + np.asarray(mask, np.int8).tobytes())
+    fingerprint = digest.hexdigest()
     if os.path.exists(path):
-      refs = np.load(path)
-      if refs.shape == (len(pairs), 2):
-        return refs
+      with np.load(path) as cached:
+        if str(cached["fingerprint"]) == fingerprint:
+          return cached["refs"]
     params = self.initial_params(plan)  # the starting model is the reference
     score = jax.jit(lambda p, b: sequence_logps(nnx.merge(self.graphdef, p), b))
     rows = int(self.config.batch_size)
@@ -86,8 +95,9 @@ class DPOTask(AlignTask):
       refs.append(np.stack([logps_2B[:rows], logps_2B[rows:]], axis=1)[:n])
     refs = np.concatenate(refs).astype(np.float32)
     if jax.process_index() == 0:
-      tmp = path + ".tmp.npy"
-      np.save(tmp, refs)
+      os.makedirs(self.workdir, exist_ok=True)
+      tmp = path + ".tmp.npz"
+      np.savez(tmp, refs=refs, fingerprint=np.asarray(fingerprint))
       os.replace(tmp, path)
     return refs
 

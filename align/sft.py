@@ -24,6 +24,9 @@ class SFTTask(AlignTask):
     nll, n = self._nll(trainable, frozen, batch)
     return nll / jnp.maximum(n, 1.0), {"tokens": n}
 
+  def loss_weight(self, batch):
+    return jnp.sum(response_mask(batch))  # a token mean: microbatches weigh by their tokens
+
   def eval_sums(self, trainable, frozen, batch):
     nll, n = self._nll(trainable, frozen, batch)
     return {"loss": nll, "count": n}

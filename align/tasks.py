@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import parallel
 from align import datasets as ds_lib
 from align.lora import init_lora, lora_shardings, merge_lora
-from train.state import _assemble
+from train.state import _assemble, state_shardings
 from train.task import jit_objective_step, to_global
 
 METHODS = ("sft", "rm", "dpo", "distill")
@@ -100,6 +100,11 @@ class AlignTask:
         out[split] = ds_lib.sft_dataset(items, **kwargs)
     return out
 
+  @property
+  def tokens_per_step(self) -> int:
+    """Token positions a step feeds the model (a pair is two rows)."""
+    return self.config.batch_size * self.config.seq_len * (2 if self.pairs else 1)
+
   def cached_refs(self, plan, split, pairs):
     return None
 
@@ -126,6 +131,10 @@ class AlignTask:
     return jax.device_put(tree, parallel.logical_shardings(tree, mesh, layout.rules))
 
   def init_state(self, plan, tx, mesh, layout):
+    if plan.model_cfg.is_moe:
+      from models import ConfigError
+      raise ConfigError("alignment tasks do not train mixture-of-experts models yet: their "
+                        "router losses and balancing biases are not applied (pretraining only)")
     params = self.place(self.initial_params(plan), mesh, layout)
     if self.rank:
       lora = init_lora(params, self.rank, jax.random.key(self.config.seed + 1),
@@ -136,8 +145,10 @@ class AlignTask:
     else:
       trainable, frozen = params, {}
     frozen.update(self.more_frozen(plan, params, mesh, layout))
-    state = jax.jit(lambda p: _assemble(p, tx, self.config.seed))(trainable)
-    shardings = jax.tree.map(lambda x: x.sharding, state)
+    assemble = lambda p: _assemble(p, tx, self.config.seed)
+    # Params by the layout's rules, optimizer state by its opt_rules (ZeRO-1), as pretraining.
+    shardings = state_shardings(jax.eval_shape(assemble, trainable), mesh, layout)
+    state = jax.jit(assemble, out_shardings=shardings)(trainable)
     self.frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
     self.mesh = mesh
     self._eval = None
@@ -176,10 +187,14 @@ class AlignTask:
   def loss(self, trainable, frozen, batch):
     raise NotImplementedError
 
+  def loss_weight(self, batch):
+    """How much a microbatch weighs in an accumulated step (None: microbatches equally, right
+    for per-pair means); token-mean losses return their token count."""
+    return None
+
   def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
-    step = jit_objective_step(self.loss, tx, schedule, shardings, frozen_shardings, None,
-                              self.config.grad_accum, inject_nan)
-    return step
+    return jit_objective_step(self.loss, tx, schedule, shardings, frozen_shardings, None,
+                              self.config.grad_accum, inject_nan, weight_fn=self.loss_weight)
 
   def eval_sums(self, trainable, frozen, batch) -> dict:
     """Per-batch sums for `evaluate`, with "count" the number of examples they sum over."""
@@ -194,7 +209,9 @@ class AlignTask:
       for k, v in sums.items():
         totals[k] = totals.get(k, 0.0) + float(v)
     n = totals.pop("count", 0.0)
-    out = {f"val_{k}": v / max(n, 1.0) for k, v in totals.items()}
+    if n == 0:  # no held-out data (val_fraction 0): nothing to report
+      return {"val_count": 0.0}
+    out = {f"val_{k}": v / n for k, v in totals.items()}
     out["val_count"] = n
     return self.finish_eval(out, n)
 
@@ -206,13 +223,13 @@ def replicated(mesh):
   return NamedSharding(mesh, PartitionSpec())
 
 
-def masked_sum_mean(x_B, valid_B):
+def masked_sum(x_B, valid_B):
   return jnp.sum(jnp.where(valid_B > 0, x_B, 0.0))
 
 
 def pair_sums(metrics_B: dict, valid_B) -> dict:
   """{name: sum over real pairs} of per-pair metrics, plus the pair count."""
-  out = {k: masked_sum_mean(v.astype(jnp.float32), valid_B) for k, v in metrics_B.items()}
+  out = {k: masked_sum(v.astype(jnp.float32), valid_B) for k, v in metrics_B.items()}
   out["count"] = jnp.sum(valid_B)
   return out
 

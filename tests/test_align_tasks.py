@@ -95,7 +95,7 @@ def test_dpo_cached_reference_matches_online(sft_workdir, tmp_path):
     config = tiny(init_from=sft_workdir)
     config.align.dpo.reference = reference
     losses[reference] = train(config, workdir, task=DPOTask(config, workdir))["loss"]
-  assert os.path.exists(str(tmp_path / "cached" / "ref_logps_train.npy"))
+  assert os.path.exists(str(tmp_path / "cached" / "ref_logps_train.npz"))
   np.testing.assert_allclose(losses["cached"], losses["online"], rtol=1e-5)
 
 
@@ -128,6 +128,7 @@ def test_lora_dpo_trains_only_adapters_and_resumes_exactly(sft_workdir, tmp_path
   train(config, part, stop_at=3, task=DPOTask(config, part))
   resumed = train(config, part, task=DPOTask(config, part))
   np.testing.assert_allclose(resumed["loss"], whole["loss"], rtol=1e-6)
+  train(config, part, task=DPOTask(config, part))  # a finished run started again: a no-op
   from train.checkpoint import Checkpointer
   import orbax.checkpoint as ocp
   with ocp.CheckpointManager(os.path.join(part, "checkpoints")) as m:
@@ -234,3 +235,34 @@ def test_bad_align_config_is_refused_before_anything_is_written(tmp_path, comman
   with pytest.raises(ConfigError, match=match):
     make_task(command, tiny(**{key: value}), str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w")
+
+
+def test_sft_without_held_out_data(sft_workdir, tmp_path):
+  config = tiny(steps=2, init_from=sft_workdir, eval_at_start=True)
+  config.data.val_fraction = 0.0
+  last = train(config, str(tmp_path), task=SFTTask(config, str(tmp_path)))
+  assert last["val_count"] == 0.0 and np.isfinite(last["loss"])
+
+
+def test_token_weighted_accumulation_equals_one_batch():
+  """A token-mean loss over rows holding different token counts: weight_fn makes the
+  accumulated update the whole batch's token mean."""
+  params = {"w": jnp.ones((3,))}
+  x = jax.random.normal(jax.random.key(1), (4, 5, 3))
+  mask = jnp.array([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]],
+                   jnp.float32)
+
+  def loss_fn(p, frozen, batch):
+    err = (batch["x"] @ p["w"] - 1.0) ** 2
+    return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"]), {}
+
+  tx = optax.sgd(0.1)
+  state = {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
+           "rng": jnp.zeros(2, jnp.uint32)}
+  batch = {"x": x, "mask": mask}
+  kw = dict(loss_fn=loss_fn, tx=tx, schedule=lambda s: 0.1)
+  one, m1 = objective_step(state, batch, None, **kw)
+  two, m2 = objective_step(state, batch, None, grad_accum=2,
+                           weight_fn=lambda b: jnp.sum(b["mask"]), **kw)
+  np.testing.assert_allclose(two["params"]["w"], one["params"]["w"], atol=1e-6)
+  np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)

@@ -32,13 +32,12 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   (after checkpointing) on SIGTERM/SIGINT.
   """
   workdir = os.path.abspath(workdir)
-  plan = plan_run(config, workdir)
   task = LMTask(config) if task is None else task
+  datasets = {}  # loaded (and a task's data checked) before the workdir is written to
+  plan = plan_run(config, workdir, before_write=lambda p: datasets.update(task.datasets(p)))
   mesh, layout = plan.mesh, plan.layout
   goodput = Goodput(workdir)
   started = time.perf_counter()
-
-  datasets = task.datasets(plan)
   train_iter = iter(datasets["train"])
 
   tx, schedule = make_optimizer(config.optimizer, config.steps)
@@ -118,7 +117,7 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
           compiled, window_start = True, time.perf_counter()
         else:
           goodput.step_done(step, seconds)
-          window_tokens += config.batch_size * config.seq_len
+          window_tokens += task.tokens_per_step
         writer.advance()
 
         reason = detector.check(metrics["loss"], metrics["grad_norm"])

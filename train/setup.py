@@ -111,8 +111,9 @@ class Plan:
   pipeline: object
 
 
-def plan_run(config: ConfigDict, workdir: str) -> Plan:
-  """Validates and resolves; raises before writing anything, then writes the workdir metadata."""
+def plan_run(config: ConfigDict, workdir: str, before_write=None) -> Plan:
+  """Validates and resolves; raises before writing anything, then writes the workdir metadata.
+  `before_write(plan)` runs last before the write (a task loading and checking its data)."""
   validate(config)
   mesh = parallel.make_mesh(config.mesh.to_dict())
   layout = parallel.get_layout(config.sharding)
@@ -120,6 +121,10 @@ def plan_run(config: ConfigDict, workdir: str) -> Plan:
   # init_from brings its own model config (config.model is then not used).
   model_cfg = None if config.init_from else resolve_model_config(config, tokenizer)
   model_cfg, init_params = _initial_params(config, model_cfg)
+  if tokenizer.vocab_size > model_cfg.vocab_size:  # e.g. tokenizer.path not init_from's
+    raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but the model "
+                      f"({config.init_from or 'config.model'}) has vocab_size "
+                      f"{model_cfg.vocab_size}")
   check_task(config, model_cfg)  # again: init_from may have brought another architecture
   if config.data.task == "mlm":
     from train.mlm_data import mask_id
@@ -133,5 +138,8 @@ def plan_run(config: ConfigDict, workdir: str) -> Plan:
         parallel.check_experts_divide(model_cfg.num_experts)
       except ValueError as e:
         raise ConfigError(f"{e} (mesh {dict(mesh.shape)}, sharding {config.sharding!r})") from None
+  plan = Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline)
+  if before_write is not None:
+    before_write(plan)
   workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
-  return Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline)
+  return plan

@@ -113,26 +113,28 @@ def microbatches(batch, grad_accum: int):
 
 
 def objective_step(state, batch, frozen, *, loss_fn, tx, schedule, grad_accum: int = 1,
-                   inject_nan: bool = False):
+                   inject_nan: bool = False, weight_fn=None):
   """One optimizer update on `loss_fn(params, frozen, batch) -> (loss, metrics)`, a mean over
-  the batch's rows (pairs, sequences). Gradient accumulation averages equal-sized
-  microbatches, so the update equals the whole batch's. `frozen` gets no gradient."""
+  the batch. Gradient accumulation weights microbatch k by weight_fn(mb_k) / weight_fn(batch)
+  (e.g. token counts, for a token mean; None: equally, for a mean over equal-sized row
+  groups), so the update equals the whole batch's. `frozen` gets no gradient."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   params = state["params"]
   if grad_accum == 1:
     (loss, aux), grads = grad_fn(params, frozen, batch)
   else:
     micro = microbatches(batch, grad_accum)
+    total_weight = None if weight_fn is None else jnp.maximum(weight_fn(batch), 1e-9)
 
     def accumulate(carry, mb):
       (l, a), g = grad_fn(params, frozen, mb)
-      return jax.tree.map(jnp.add, carry, (l, a, g)), None
+      w = 1.0 / grad_accum if weight_fn is None else weight_fn(mb) / total_weight
+      return jax.tree.map(lambda c, x: c + w * x, carry, (l, a, g)), None
 
     zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
         lambda: loss_fn(params, frozen, jax.tree.map(lambda x: x[0], micro))[1]))
     init = (jnp.zeros((), jnp.float32), zero_aux, jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(accumulate, init, micro)
-    loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, total)
+    (loss, aux, grads), _ = jax.lax.scan(accumulate, init, micro)
   new_state, metrics = apply_gradients(state, grads, loss, tx=tx, schedule=schedule,
                                        inject_nan=inject_nan)
   return new_state, {**aux, **metrics}

@@ -11,7 +11,7 @@ anomalies, watchdog, metrics); a Task supplies
                                  `frozen` is a pytree the step reads but never updates (a
                                  reference model, a teacher, a LoRA's base weights), or None
   step_fn(...)                   jitted step(state, batch, frozen) -> (state, metrics)
-  evaluate(params, frozen, batches) -> {"val_...": float}
+  evaluate(params, frozen, batches, batch_sharding) -> {"val_...": float}
   prepare(state, frozen, batch, step) (optional) -> batch: host-side work on each batch
                                  before the step, with the current state (PPO/GRPO rollouts);
                                  deterministic in (state, batch, step) so resume is exact
@@ -55,6 +55,7 @@ class LMTask:
 
   def __init__(self, config):
     self.config = config
+    self.tokens_per_step = config.batch_size * config.seq_len
 
   def datasets(self, plan) -> dict:
     c = self.config
@@ -92,10 +93,10 @@ def first(ds, n: int):
 
 
 def jit_objective_step(loss_fn, tx, schedule, shardings, frozen_shardings, batch_sh,
-                       grad_accum: int = 1, inject_nan: bool = False):
+                       grad_accum: int = 1, inject_nan: bool = False, weight_fn=None):
   """step(state, batch, frozen) around `loss_fn(params, frozen, batch) -> (loss, metrics)`;
   the state is donated, `frozen` is read only."""
   step = functools.partial(step_lib.objective_step, loss_fn=loss_fn, tx=tx, schedule=schedule,
-                           grad_accum=grad_accum, inject_nan=inject_nan)
+                           grad_accum=grad_accum, inject_nan=inject_nan, weight_fn=weight_fn)
   return jax.jit(step, in_shardings=(shardings, batch_sh, frozen_shardings),
                  out_shardings=(shardings, None), donate_argnums=0)

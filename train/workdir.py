@@ -53,13 +53,15 @@ def save_model(workdir: str, model_cfg: ModelConfig, tokenizer: Tokenizer, param
                step: int) -> None:
   """A loadable workdir holding just `params` at `step` (no optimizer or data state)."""
   import orbax.checkpoint as ocp
-  save_metadata(workdir, model_cfg, tokenizer)
   directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
   with ocp.CheckpointManager(directory, item_names=("state",),
                              options=ocp.CheckpointManagerOptions(create=True)) as manager:
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params})),
-                 force=True)
-    manager.wait_until_finished()
+    if step not in manager.all_steps():  # a finished run started again: already written
+      manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave({"params": params})), force=True)
+      manager.wait_until_finished()
+  # Last: a directory is a loadable workdir only once its checkpoint is complete.
+  save_metadata(workdir, model_cfg, tokenizer)
 
 
 def load_trained(workdir: str, step: int | None = None):
@@ -72,8 +74,8 @@ def load_trained(workdir: str, step: int | None = None):
     raise FileNotFoundError(f"workdir {workdir} does not exist")
   if not is_workdir(workdir):
     raise FileNotFoundError(f"{workdir} is not a meshlm workdir (no {MODEL_CONFIG})")
-  if is_workdir(os.path.join(workdir, MERGED)):
-    return load_trained(os.path.join(workdir, MERGED), step)
+  if step is None and is_workdir(os.path.join(workdir, MERGED)):
+    return load_trained(os.path.join(workdir, MERGED))
   model_cfg = load_model_config(workdir)
   graphdef, abstract_params = abstract_model(model_cfg)
   params, step = restore_params(workdir, abstract_params, step)
