@@ -20,9 +20,7 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 import parallel
 from align import datasets as ds_lib
@@ -219,10 +217,6 @@ class AlignTask:
     return out
 
 
-def replicated(mesh):
-  return NamedSharding(mesh, PartitionSpec())
-
-
 def masked_sum(x_B, valid_B):
   return jnp.sum(jnp.where(valid_B > 0, x_B, 0.0))
 
@@ -232,7 +226,3 @@ def pair_sums(metrics_B: dict, valid_B) -> dict:
   out = {k: masked_sum(v.astype(jnp.float32), valid_B) for k, v in metrics_B.items()}
   out["count"] = jnp.sum(valid_B)
   return out
-
-
-def as_numpy(x):
-  return np.asarray(jax.device_get(x))

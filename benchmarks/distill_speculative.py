@@ -58,12 +58,12 @@ def run(students: dict, n_prompts: int, max_tokens: int) -> dict:
   import jax
 
   import models
-  from experiments.smollm2_hh import smollm2_path
+  from benchmarks.decode_models import smollm_path
   from infer import Engine, SamplingParams
   from infer.speculative import ModelDraft, SpeculativeDecoder
   from train.workdir import load_trained
 
-  target, tok = models.load_pretrained(smollm2_path())
+  target, tok = models.load_pretrained(smollm_path())
   prompts = _prompts(tok, n_prompts)
   longest = max(len(ids) for _, ids in prompts) + max_tokens + GAMMA + 1
   max_seq_len = 1 << max(8, (longest - 1).bit_length())

