@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from align import decontam
 from align.data import (FIELDS, BadRecord, DataReport, _empty, pair_batch, parse_hh, read_records,
                         tokenize_pairs, tokenize_sft_records)
 from train.data import SPLITS, is_validation
@@ -86,10 +87,17 @@ def _split_items(data_cfg, split: str, report: DataReport):
   records = read_records(paths, report)
   if data_cfg.get("validation_path"):
     # Files used whole: the explicit validation files are all validation.
-    return records
-  if split == "validation" and val_fraction == 0.0:
+    items = records
+  elif split == "validation" and val_fraction == 0.0:
     return iter(())
-  return split_records(records, split, val_fraction)
+  else:
+    items = split_records(records, split, val_fraction)
+  if split != "train":
+    return items
+  items = list(items)
+  # Refuses rows of protected evaluation sets (data.decontam; defaults when absent).
+  decontam.check_records(data_cfg, items)
+  return iter(items)
 
 
 def load_pair_split(data_cfg: Mapping[str, Any], tokenizer, split: str):

@@ -71,7 +71,8 @@ class AlignTask:
   def data_cfg(self) -> dict:
     d = self.config.data
     return {"path": d.path, "val_fraction": d.val_fraction, "validation_path": d.validation_path,
-            "max_len": self.config.seq_len, "drop_turns": self.align.drop_turns}
+            "max_len": self.config.seq_len, "drop_turns": self.align.drop_turns,
+            "decontam": d.decontam}
 
   def load_split(self, plan, split: str) -> list:
     load = ds_lib.load_pair_split if self.pairs else ds_lib.load_sft_split

@@ -147,6 +147,12 @@ def load_split(data_cfg: Mapping[str, Any], split: str) -> list[str]:
   if not docs:
     raise ValueError(f"the {split} split of data.path={data_cfg['path']!r} is empty "
                      f"(data.val_fraction={data_cfg['val_fraction']})")
+  if split == "train":
+    # Refuses documents holding protected evaluation rows (data.decontam; defaults when absent).
+    from align import decontam  # align imports this module
+    read = functools.partial(read_documents, text_key=data_cfg["text_key"],
+                             doc_separator=data_cfg["doc_separator"])
+    decontam.check_documents(data_cfg, docs, resolve_paths(data_cfg["path"]), read)
   return docs
 
 

@@ -1,0 +1,168 @@
+"""`meshlm data`: inspect data assets (align/assets.py).
+
+  meshlm data ls ROOT                 every asset version under ROOT: name, version, kind, rows,
+                                      created, short content hash
+  meshlm data show PATH [--rows N]    a version's manifest (lineage included) and first N rows
+                                      (PATH: a version dir, or ROOT/NAME for the latest)
+  meshlm data diff PATH_A PATH_B      manifest differences (lineage, rows, hash, columns) and
+                                      rows added / removed, by row hash, with examples
+  meshlm data register PATH [--name N] [--registry FILE]
+                                      protect an asset of kind "eval" (e.g. a pair run's
+                                      held-out prompts_eval): training runs then refuse data
+                                      overlapping it (align/decontam.py)
+"""
+
+import argparse
+import collections
+import json
+import sys
+
+from align import assets
+
+_EXAMPLES = 3
+
+
+def _short(value, width: int = 160) -> str:
+  text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                         sort_keys=True)
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def cmd_ls(root: str, out) -> None:
+  entries = assets.list_assets(root)
+  if not entries:
+    print(f"{root}: no assets", file=out)
+    return
+  header = ("name", "version", "kind", "rows", "created", "sha256")
+  table = [header]
+  for m in entries:
+    if "error" in m:
+      table.append((m["name"], f"v{m['version']}", "?", "?", "?", "ERROR: " + m["error"]))
+    else:
+      table.append((m["name"], f"v{m['version']}", m["kind"], str(m["rows"]), m["created"],
+                    m["content_sha256"][:12]))
+  widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+  for row in table:
+    print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1], file=out)
+
+
+def cmd_show(path: str, rows: int, out) -> None:
+  vdir = assets.resolve(path)
+  manifest = assets.read_manifest(vdir)
+  data = assets.read_asset(vdir)  # also verifies the content hash
+  print(f"# {vdir} (content hash verified)", file=out)
+  print(json.dumps(manifest, indent=2, ensure_ascii=False), file=out)
+  shown = data[:max(rows, 0)]
+  print(f"# first {len(shown)} of {len(data)} rows", file=out)
+  for row in shown:
+    print(json.dumps(row, ensure_ascii=False), file=out)
+
+
+def _flatten(value, prefix: str = "") -> dict:
+  """{dotted key: leaf} of nested dicts (lists are leaves)."""
+  if isinstance(value, dict) and value:
+    out = {}
+    for k, v in value.items():
+      out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+  return {prefix: value}
+
+
+def manifest_diff(a: dict, b: dict) -> list[str]:
+  """Lines for manifest fields that differ; lineage and columns key by key."""
+  lines = []
+  for key in ("name", "version", "kind", "schema_version", "format", "rows", "content_sha256",
+              "command", "created"):
+    if a.get(key) != b.get(key):
+      lines.append(f"  {key}: {_short(a.get(key))} -> {_short(b.get(key))}")
+  ca, cb = a.get("columns", {}), b.get("columns", {})
+  for col in sorted(set(ca) | set(cb)):
+    if col not in cb:
+      lines.append(f"  columns.{col}: removed ({ca[col]})")
+    elif col not in ca:
+      lines.append(f"  columns.{col}: added ({cb[col]})")
+    elif ca[col] != cb[col]:
+      lines.append(f"  columns.{col}: {ca[col]} -> {cb[col]}")
+  la, lb = _flatten(a.get("lineage", {}), "lineage"), _flatten(b.get("lineage", {}), "lineage")
+  for key in sorted(set(la) | set(lb)):
+    if key not in lb:
+      lines.append(f"  {key}: removed (was {_short(la[key])})")
+    elif key not in la:
+      lines.append(f"  {key}: added {_short(lb[key])}")
+    elif la[key] != lb[key]:
+      lines.append(f"  {key}: {_short(la[key])} -> {_short(lb[key])}")
+  return lines
+
+
+def row_diff(rows_a: list[dict], rows_b: list[dict]) -> tuple[list[dict], list[dict]]:
+  """(added, removed): rows of B not in A and of A not in B, as multisets by row hash, in
+  their files' order."""
+  ca = collections.Counter(assets.row_hash(r) for r in rows_a)
+  cb = collections.Counter(assets.row_hash(r) for r in rows_b)
+  extra_b, extra_a = cb - ca, ca - cb
+
+  def take(rows, extra):
+    out, left = [], dict(extra)
+    for r in rows:
+      h = assets.row_hash(r)
+      if left.get(h, 0) > 0:
+        left[h] -= 1
+        out.append(r)
+    return out
+
+  return take(rows_b, extra_b), take(rows_a, extra_a)
+
+
+def cmd_diff(path_a: str, path_b: str, out) -> None:
+  va, vb = assets.resolve(path_a), assets.resolve(path_b)
+  ma, mb = assets.read_manifest(va), assets.read_manifest(vb)
+  ra, rb = assets.read_asset(va), assets.read_asset(vb)
+  print(f"# {va} -> {vb}", file=out)
+  lines = manifest_diff(ma, mb)
+  print("manifest: " + ("identical" if not lines else f"{len(lines)} field(s) differ"), file=out)
+  for line in lines:
+    print(line, file=out)
+  added, removed = row_diff(ra, rb)
+  print(f"rows: {len(ra)} -> {len(rb)}; added {len(added)}, removed {len(removed)}, "
+        f"unchanged {len(rb) - len(added)}", file=out)
+  for label, rows in (("+", added), ("-", removed)):
+    for row in rows[:_EXAMPLES]:
+      print(f"  {label} {_short(row)}", file=out)
+    if len(rows) > _EXAMPLES:
+      print(f"  {label} ... {len(rows) - _EXAMPLES} more", file=out)
+
+
+def main(argv: list[str]) -> None:
+  parser = argparse.ArgumentParser(prog="meshlm data", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="cmd", required=True)
+  p = sub.add_parser("ls", help="list assets under ROOT")
+  p.add_argument("root")
+  p = sub.add_parser("show", help="manifest and first rows of an asset")
+  p.add_argument("path")
+  p.add_argument("--rows", type=int, default=5)
+  p = sub.add_parser("diff", help="differences between two asset versions")
+  p.add_argument("path_a")
+  p.add_argument("path_b")
+  p = sub.add_parser("register", help="protect an eval asset from training (decontamination)")
+  p.add_argument("path")
+  p.add_argument("--name", default=None)
+  p.add_argument("--registry", default=None, help="default: data/protected_evals.json")
+  args = parser.parse_args(argv)
+  try:
+    if args.cmd == "ls":
+      cmd_ls(args.root, sys.stdout)
+    elif args.cmd == "show":
+      cmd_show(args.path, args.rows, sys.stdout)
+    elif args.cmd == "register":
+      from align.eval_registry import REGISTRY, register_asset
+      entry = register_asset(args.path, name=args.name, registry=args.registry or REGISTRY)
+      print(f"registered {entry['name']!r} ({entry['asset']}) in {args.registry or REGISTRY}")
+    else:
+      cmd_diff(args.path_a, args.path_b, sys.stdout)
+  except ValueError as e:
+    raise SystemExit(f"meshlm data {args.cmd}: {e}") from None
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
