@@ -12,7 +12,7 @@ val_ppl (the student's perplexity on the real text).
 
 from experiments.defaults import base_config
 from experiments.hh_tiny import HH
-from benchmarks.decode_models import smollm_path
+from models.pretrained import smollm_path
 
 
 def get_config(mode: str = "kd"):

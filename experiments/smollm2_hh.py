@@ -10,7 +10,7 @@ float32 on load); point --config.init_from at an HF directory for the original b
 Pairs longer than seq_len drop their oldest turns, then are skipped (data_report_*.json).
 """
 
-from benchmarks.decode_models import smollm_path
+from models.pretrained import smollm_path
 from experiments.defaults import base_config
 from experiments.hh_tiny import HH
 

