@@ -110,3 +110,23 @@ def test_a_reward_model_workdir_judges(rm_workdir):
   # a long response is cut but keeps its EOS, where the reward is read
   p, c = judge._row(PROMPT, GOOD * 20)
   assert len(p) + len(c) == 65 and c[-1] == judge.tokenizer.eos_id
+
+
+def test_a_meshlm_checkpoint_judges_like_the_model_it_holds(teacher, tmp_path):
+  """Any meshlm workdir can be the teacher (a run's own earlier checkpoint): SmolLM2 saved
+  as a workdir and loaded the way `meshlm pairs` loads teachers gives the same verdicts."""
+  from flax import nnx
+
+  from align.pairs_publish import model_ref
+  from train.cli import load_any
+  from train.workdir import save_model
+  model, tok = teacher
+  workdir = str(tmp_path / "run")
+  save_model(workdir, model.cfg, tok, nnx.state(model, nnx.Param), step=7)
+  loaded, loaded_tok = load_any(workdir, "pairs")
+  items = [(PROMPT, GOOD, BAD)]
+  [a] = PairwiseJudge(model, tok, batch_size=2, temperature=0.2).judge(items)
+  [b] = PairwiseJudge(loaded, loaded_tok, batch_size=2, temperature=0.2).judge(items)
+  assert a.verdict == b.verdict and a.p_a == pytest.approx(b.p_a, abs=1e-5)
+  ref = model_ref(workdir)
+  assert ref["checkpoint_step"] == 7 and len(ref["tree_sha256"]) == 64
