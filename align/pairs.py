@@ -159,12 +159,16 @@ class Builder:
                                  max_len=t.max_len, batch_size=t.batch_size, response_tokens=t.response_tokens,
                                  min_mass=t.min_mass, prefill=t.prefill or PREFILL)
     self.rm = RewardJudge(self.cfg.route.student_rm) if self.cfg.route.student_rm else None
-    if "models" not in self.state:  # hashed once: the lineage of every published version
-      self.state["models"] = {"student": model_ref(self.student_path),
-                              "teacher": model_ref(self.teacher_path)}
-      if self.cfg.route.student_rm:
-        self.state["models"]["student_rm"] = model_ref(self.cfg.route.student_rm)
-      _save_state(self.workdir, self.state)
+    models = {"student": model_ref(self.student_path), "teacher": model_ref(self.teacher_path)}
+    if self.cfg.route.student_rm:
+      models["student_rm"] = model_ref(self.cfg.route.student_rm)
+    if "models" in self.state and self.state["models"] != models:
+      changed = sorted(k for k in models if models[k] != self.state["models"].get(k))
+      raise ValueError(f"{self.workdir}: the {changed} model(s) changed on disk since this run "
+                       "started (another checkpoint or file at the same path); the pairs "
+                       "would mix two models: use a new --workdir")
+    self.state["models"] = models  # the lineage of every published version
+    _save_state(self.workdir, self.state)
 
   def _calibrate(self) -> None:
     """Fits the judge's temperature once on labelled pairs of the calibration prompts."""
@@ -258,8 +262,7 @@ class Builder:
     # given in that order.
     swap = pool_lib.bucket(pid, self.cfg.seed + 1) < 0.5
     a, b = (cands[worst], cands[best]) if swap else (cands[best], cands[worst])
-    verdict = "tie" if jd.verdict == "tie" else ("B" if swap else "A")
-    teacher = {"verdict": verdict, "confidence": conf, "agree": jd.agree}
+    teacher = {"verdict": "B" if swap else "A", "confidence": conf, "agree": jd.agree}
     item = dict(item_id=f"{self.state['run_id']}-{pid}", prompt=prompt, response_a=a,
                 response_b=b)
     if jd.verdict == "unparsable" or jd.p_a <= 0.5:

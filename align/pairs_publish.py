@@ -31,11 +31,16 @@ def read_journal(path: str, repair: bool = False) -> list[dict]:
         if repair:
           with open(path, "r+b") as f:
             f.truncate(good)
-        break
+        return entries
+      if not isinstance(entry, dict) or "id" not in entry:
+        raise ValueError(f"{path}: line {i + 1} has no id: the journal is corrupt")
       if entry["id"] not in seen:
         seen.add(entry["id"])
         entries.append(entry)
     good += len(line) + 1
+  if repair and data and not data.endswith(b"\n"):  # a whole last line, unterminated
+    with open(path, "ab") as f:
+      f.write(b"\n")
   return entries
 
 
