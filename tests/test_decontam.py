@@ -252,12 +252,14 @@ def test_planted_rows_through_the_align_loaders_refuse_then_allow(tmp_path, caps
   assert DS.load_sft_split({**cfg, "val_fraction": 0.0}, tok, "validation")[0] == []
 
 
-def test_a_real_run_with_allow_proceeds(tmp_path):
-  from test_align_tasks import tiny
+def test_a_real_run_with_allow_proceeds(tmp_path, capsys):
+  from test_align_tasks import metrics, tiny
   from train.loop import train
   path, _, _ = _planted_file(tmp_path)
   config = tiny(steps=2, **{"data.path": path, "data.val_fraction": 0.0})
   config.data.decontam.allow = True
   workdir = str(tmp_path / "run")
   last = train(config, workdir, task=SFTTask(config, workdir))
-  assert last["step"] == 2
+  assert [m["step"] for m in metrics(workdir) if "loss" in m][-1] == 2
+  assert last["loss"] > 0
+  assert "5 of 29 rows" in capsys.readouterr().err  # the override is loud
