@@ -16,7 +16,7 @@
                   align/pairs.py)
   meshlm review --db PATH [--host H] [--port N] [--lease_s S] [--export ROOT | --report]
                   (human review page: align/review_server.py)
-  meshlm data ls ROOT | show PATH | diff A B                (data assets: align/data_cli.py)
+  meshlm data ls ROOT | show PATH | diff A B | register PATH  (data assets: align/data_cli.py)
   meshlm selfinstruct --config experiments/selfinstruct.py --out DIR  (align/selfinstruct.py)
 """
 
