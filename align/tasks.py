@@ -181,6 +181,12 @@ class AlignTask:
   def policy(self, trainable, frozen):
     return nnx.merge(self.graphdef, self.policy_params(trainable, frozen))
 
+  def eval_model(self, state, frozen):
+    """The policy at `state` (LoRA merged), for the evaluation gate (align/evals/promote.py)."""
+    if self.name == "rm":
+      raise ValueError("eval_gate: a reward model does not generate; gate the policy instead")
+    return self.policy(state["params"], frozen)
+
   # --- steps ---
 
   def loss(self, trainable, frozen, batch):

@@ -14,6 +14,9 @@ from experiments import chaos, llama3_8b_pod
 from parallel import plan_cli
 from parallel.planner import DAY_SECONDS, checkpoint_waste, young_daly_interval
 
+# Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
+pytestmark = pytest.mark.serial
+
 TINY_MODEL = ["--config.batch_size=4", "--config.seq_len=32", "--config.model.vocab_size=320",
               "--config.tokenizer.train_vocab_size=320", "--config.model.d_model=32",
               "--config.model.num_layers=2", "--config.model.mlp_dim=64"]

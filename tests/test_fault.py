@@ -16,6 +16,9 @@ from conftest import REPO
 from train import exit_codes
 from train.workdir import load_trained
 
+# Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
+pytestmark = pytest.mark.serial
+
 QUICKSTART = os.path.join(REPO, "experiments", "quickstart.py")
 STEPS = 12
 TINY = [f"--config.steps={STEPS}", "--config.batch_size=4", "--config.seq_len=32",

@@ -12,6 +12,9 @@ import pytest
 from conftest import REPO
 from parallel.distributed import detect
 
+# Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
+pytestmark = pytest.mark.serial
+
 QUICKSTART = os.path.join(REPO, "experiments", "quickstart.py")
 TINY = ["--config.steps=6", "--config.batch_size=8", "--config.seq_len=32",
         "--config.log_every=1", "--config.eval_every=6", "--config.eval_batches=1",

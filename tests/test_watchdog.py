@@ -7,12 +7,16 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import REPO
 from train import exit_codes
 from train.watchdog import PeerMonitor
 
 WORKER = os.path.join(REPO, "tests", "workers", "peer_loss.py")
 ENV = dict(os.environ, PYTHONPATH=REPO)
+# Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
+pytestmark = pytest.mark.serial
 
 # Steps of ~50 ms after a 1 s "compilation" step: the limit is max(0.5, 3 x 0.05) = 0.5 s.
 STEPS = """

@@ -18,6 +18,10 @@
                   (human review page: align/review_server.py)
   meshlm data ls ROOT | show PATH | diff A B | register PATH  (data assets: align/data_cli.py)
   meshlm selfinstruct --config experiments/selfinstruct.py --out DIR  (align/selfinstruct.py)
+  meshlm eval --model PATH --suite hhh|helpful|harmless|honest|redteam --out DIR [--limit N]
+                  (align/evals/cli.py)
+  meshlm gate --baseline REPORT --candidate REPORT [--max-drop helpful=0.02,...]
+                  (align/evals/gate.py; exits 1 on a regression)
 """
 
 import os
@@ -31,7 +35,8 @@ TRAIN_COMMANDS = ("train", "sft", "rm", "dpo", "distill", "ppo", "grpo")
 DELEGATED = {"plan": ("parallel.plan_cli", "main"), "quantize": ("infer.quant.cli", "main"),
              "embed": ("infer.embed", "main"), "pairs": ("align.pairs", "main"),
              "review": ("align.review_server", "main"), "data": ("align.data_cli", "main"),
-             "selfinstruct": ("align.selfinstruct", "main")}
+             "selfinstruct": ("align.selfinstruct", "main"), "eval": ("align.evals.cli", "main"),
+             "gate": ("align.evals.gate", "main")}
 COMMANDS = TRAIN_COMMANDS + ("generate",) + tuple(DELEGATED)
 
 
@@ -197,4 +202,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

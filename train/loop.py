@@ -33,6 +33,12 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   """
   workdir = os.path.abspath(workdir)
   task = LMTask(config) if task is None else task
+  gate_cfg = config.get("eval_gate")
+  if gate_cfg and gate_cfg.every:
+    from align.evals import promote  # align imports train; only gated runs need it
+    promote.validate(gate_cfg, jax.process_count(), config.data.get("decontam"))
+    if not hasattr(task, "eval_model"):
+      raise ValueError(f"eval_gate: the {task.name} task has no generating model to evaluate")
   datasets = {}  # loaded (and a task's data checked) before the workdir is written to
   plan = plan_run(config, workdir, before_write=lambda p: datasets.update(task.datasets(p)))
   mesh, layout = plan.mesh, plan.layout
@@ -57,6 +63,9 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
     goodput.add("restore", time.perf_counter() - t)
   start = int(state["step"])
   config_json = config.to_dict()
+  promoter = None
+  if gate_cfg and gate_cfg.every:
+    promoter = promote.Promoter(gate_cfg, workdir, plan.tokenizer)
 
   flops_per_token = flops_lib.train_flops_per_token(plan.model_cfg, config.seq_len)
   peak, peak_source = flops_lib.peak_flops_per_device(plan.model_cfg.jnp_dtype,
@@ -85,6 +94,10 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   try:
     with (parallel.axis_rules(layout.rules), jax.set_mesh(mesh),
           parallel.pipeline_schedule(plan.pipeline), PreemptionGuard() as preemption):
+      if promoter and step == 0:  # the gate's baseline, unless one is configured
+        t = time.perf_counter()
+        promoter.baseline_path(task.eval_model(state, frozen))
+        goodput.add("eval", time.perf_counter() - t)
       if step == 0 and config.eval_at_start:  # the starting model's baseline
         t = time.perf_counter()
         writer.write(0, task.evaluate(state["params"], frozen,
@@ -158,8 +171,13 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
           writer.write(step, last)
           goodput.save()
           window_start, window_tokens = time.perf_counter(), 0.0
-        if step % config.checkpoint_every == 0 or step == end:
+        gated = promoter is not None and promoter.due(step, config.steps)
+        if step % config.checkpoint_every == 0 or step == end or gated:
           save(step)
+        if gated:  # promote this checkpoint only if its evaluation passes the gate
+          t = time.perf_counter()
+          promoter.check(step, task.eval_model(state, frozen))
+          goodput.add("eval", time.perf_counter() - t)
     if hasattr(task, "finish") and step == config.steps:
       task.finish(state, frozen, step, plan)  # e.g. a LoRA run writes its merged model
   finally:

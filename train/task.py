@@ -16,6 +16,7 @@ anomalies, watchdog, metrics); a Task supplies
                                  before the step, with the current state (PPO/GRPO rollouts);
                                  deterministic in (state, batch, step) so resume is exact
   finish(state, frozen, step, plan) (optional): after the last step (a LoRA run's export)
+  eval_model(state, frozen) (optional): the generating model at `state`, for eval_gate
 
 LMTask is next-token prediction over train/data.py's packed rows (also the SFT loss: rows
 carry a loss_mask). align/tasks.py holds the alignment tasks.
@@ -75,6 +76,11 @@ class LMTask:
     step = step_lib.jit_train_step(self.graphdef, tx, schedule, shardings, batch_sh,
                                    self.config.grad_accum, inject_nan=inject_nan)
     return lambda state, batch, frozen: step(state, batch)
+
+  def eval_model(self, state, frozen):
+    """The model at `state`, for the evaluation gate (align/evals/promote.py)."""
+    from flax import nnx
+    return nnx.merge(self.graphdef, state["params"])
 
   def evaluate(self, params, frozen, batches, batch_sh) -> dict:
     """Mean per-token loss over `batches`."""

@@ -1,0 +1,182 @@
+"""`meshlm eval`: run an evaluation suite on a model and write its reports.
+
+    meshlm eval --model PATH --suite hhh|helpful|harmless|honest|redteam --out DIR
+                [--limit N] [--judge PATH] [--seed 0] [--max_new_tokens 128]
+                [--batch_size 8]
+
+PATH is anything `meshlm generate` loads (a workdir, an HF directory, a .gguf file).
+`hhh` runs helpful, harmless and honest; `redteam` runs the attack library
+(align/evals/attacks.py). `--limit N` takes the first N valid rows of every dataset.
+`--judge` is the helpfulness judge (default: the evaluated model).
+
+DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html (one
+self-contained page with plots) and responses.jsonl (every answer, for audit). Each file is
+written to a temporary name and renamed, so a crash leaves no half-written report. The
+same model, suite, limit and seed give a byte-identical report.json.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+SUITES = {"hhh": ("helpful", "harmless", "honest"), "helpful": ("helpful",),
+          "harmless": ("harmless",), "honest": ("honest",), "redteam": ("redteam",)}
+SCHEMA = 1
+# The protected evaluation sets (data/protected_evals.json) each dimension reads: training
+# data is checked against them (align/decontam.py), so they stay held out.
+DIMENSION_SETS = {"helpful": ("alpaca-eval", "mt-bench", "self-instruct-user"),
+                  "harmless": ("advbench", "xstest", "jbb-behaviors"),
+                  "honest": ("truthfulqa", "unanswerable"),
+                  "redteam": ("advbench", "jbb-behaviors")}
+
+
+def suite_sets(suite: str) -> list[str]:
+  return sorted({s for dim in SUITES[suite] for s in DIMENSION_SETS[dim]})
+
+
+def fingerprint(path: str) -> str:
+  """sha256 over a model file, or over a directory's files (names and bytes, sorted)."""
+  h = hashlib.sha256()
+  files = [path] if os.path.isfile(path) else sorted(
+      os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+  for name in files:
+    h.update(os.path.relpath(name, path).encode() if name != path else b"")
+    with open(name, "rb") as f:
+      for block in iter(lambda: f.read(1 << 22), b""):
+        h.update(block)
+  return h.hexdigest()
+
+
+def run_suite(chat, suite: str, *, limit: int | None, seed: int, judge=None) -> dict:
+  """Runs the suite's dimensions on `chat` (runner.ChatModel); returns the report's body."""
+  from align.evals import harmless, helpful, honest, redteam_suite
+  parts = []
+  for dim in SUITES[suite]:
+    if dim == "helpful":
+      parts.append(helpful.evaluate(chat, judge or helpful.judge_for(None, chat), limit=limit,
+                                    seed=seed))
+    elif dim == "harmless":
+      parts.append(harmless.evaluate(chat, limit=limit, seed=seed))
+    elif dim == "honest":
+      parts.append(honest.evaluate(chat, limit=limit, seed=seed))
+    else:
+      parts.append(redteam_suite.evaluate(chat, limit=limit, seed=seed))
+  return merge_parts(parts)
+
+
+def merge_parts(parts: list[dict]) -> dict:
+  body = {"metrics": {}, "tables": {}, "examples": {}, "skipped": {}, "counts": {}}
+  responses = []
+  for p in parts:
+    for key in ("metrics", "tables", "examples", "skipped"):
+      body[key].update(p.get(key, {}))
+    responses += list(p.get("responses", []))
+  from align.evals.runner import output_counts
+  body["counts"] = output_counts(responses)
+  body["responses"] = responses
+  return body
+
+
+def dimension_scores(metrics: dict) -> dict:
+  """Each dimension's score: the mean of its metrics turned so that higher is better."""
+  from align.evals.stats import oriented
+  out = {}
+  for name, m in sorted(metrics.items()):
+    out.setdefault(m["dimension"], {"metrics": []})["metrics"].append(name)
+  for dim, d in out.items():
+    vals = [oriented(metrics[n]) for n in d["metrics"]
+            if metrics[n]["value"] == metrics[n]["value"]]  # NaN: no examples
+    d["score"] = sum(vals) / len(vals) if vals else float("nan")
+  return out
+
+
+def build_report(body: dict, *, suite: str, seed: int, limit: int | None, model: dict,
+                 settings: dict, examples_per_metric: int = 5) -> dict:
+  return {"schema": SCHEMA, "suite": suite, "seed": seed, "limit": limit, "model": model,
+          "settings": settings, "metrics": body["metrics"],
+          "dimensions": dimension_scores(body["metrics"]), "tables": body["tables"],
+          "counts": body["counts"], "skipped": body["skipped"],
+          "examples": {k: v[:examples_per_metric] for k, v in body["examples"].items()}}
+
+
+def _atomic_write(path: str, text: str) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def write_outputs(out_dir: str, report: dict, responses: list, examples: dict) -> None:
+  """report.json, responses.jsonl and report.html, each written atomically."""
+  from align.evals import html
+  os.makedirs(out_dir, exist_ok=True)
+  lines = []
+  for metric_name, rows in sorted(examples.items()):
+    for i, row in enumerate(rows):
+      lines.append(json.dumps({"metric": metric_name, "i": i, **row}, ensure_ascii=False))
+  _atomic_write(os.path.join(out_dir, "responses.jsonl"), "\n".join(lines) + "\n")
+  _atomic_write(os.path.join(out_dir, "report.json"),
+                json.dumps(report, indent=1, sort_keys=True, allow_nan=True) + "\n")
+  _atomic_write(os.path.join(out_dir, "report.html"), html.render(report))
+
+
+def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: int | None,
+                   seed: int = 0, judge=None, model_info: dict | None = None,
+                   max_new_tokens: int = 128, batch_size: int = 8) -> dict:
+  """Runs `suite` on a loaded model; writes the outputs when `out_dir`; returns the report."""
+  from align.evals.runner import ChatModel
+  if suite not in SUITES:
+    raise ValueError(f"unknown suite {suite!r}; choose one of {sorted(SUITES)}")
+  if limit is not None and limit < 1:
+    raise ValueError(f"--limit={limit} must be >= 1")
+  chat = ChatModel(model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size)
+  body = run_suite(chat, suite, limit=limit, seed=seed, judge=judge)
+  settings = {"max_new_tokens": chat.max_new_tokens, "max_prompt_tokens": chat.max_prompt_tokens,
+              "decoding": "greedy", "batch_size": batch_size,
+              "judge": getattr(judge, "name", None) or "the evaluated model"}
+  report = build_report(body, suite=suite, seed=seed, limit=limit, model=model_info or {},
+                        settings=settings)
+  if out_dir:
+    write_outputs(out_dir, report, body["responses"], body["examples"])
+  return report
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="meshlm eval", description=__doc__.splitlines()[0])
+  parser.add_argument("--model", required=True)
+  parser.add_argument("--suite", required=True, choices=sorted(SUITES))
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--limit", type=int, default=None)
+  parser.add_argument("--judge", default=None, help="helpfulness judge checkpoint")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--max_new_tokens", type=int, default=128)
+  parser.add_argument("--batch_size", type=int, default=8)
+  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  from train.cli import load_any
+  try:
+    model, tokenizer = load_any(args.model, command="eval")
+    judge = None
+    if args.judge:
+      from align.evals.helpful import judge_for
+      judge = judge_for(args.judge, None, batch_size=args.batch_size)
+      judge.name = os.path.basename(os.path.normpath(args.judge))
+    info = {"path": args.model, "name": os.path.basename(os.path.normpath(args.model)),
+            "fingerprint": fingerprint(args.model)}
+    report = evaluate_model(model, tokenizer, args.suite, args.out, limit=args.limit,
+                            seed=args.seed, judge=judge, model_info=info,
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"meshlm eval: error: {e}", file=sys.stderr)
+    return 2
+  for dim, d in report["dimensions"].items():
+    print(f"{dim}: score {d['score']:.3f} over {len(d['metrics'])} metrics")
+  print(f"meshlm eval: wrote {os.path.join(args.out, 'report.json')} and report.html")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,115 @@
+"""Helpfulness: win rate against reference answers, and reference-based task completion.
+
+- Win rate (AlpacaEval / MT-Bench style): the model answers each held-out instruction; a
+  judge (any meshlm chat checkpoint, align/judge.py) compares its answer with the
+  reference answer, shown in both orders so position bias cancels. A win scores 1, a tie
+  0.5, a loss 0; verdicts the judge could not give (too little mass on " A"/" B") are
+  left out and counted. References: AlpacaEval's text-davinci-003 outputs (805
+  instructions; AlpacaEval 1's reference model) and MT-Bench's GPT-4 first-turn reference
+  answers (the 30 questions that have one).
+- Task completion on Self-Instruct's user-oriented instances: ROUGE-L F1 (rouge-score,
+  no stemmer) between the answer and the instance's output, and exact match after
+  lowercasing and deleting punctuation and surrounding whitespace.
+"""
+
+import re
+
+from rouge_score import rouge_scorer
+
+from align.evals import datasets
+from align.evals.runner import output_counts
+from align.evals.stats import metric
+
+_PUNCT = re.compile(r"[^\w\s]")
+
+
+def normalize_answer(text: str) -> str:
+  return " ".join(_PUNCT.sub("", text.lower()).split())
+
+
+def _win_scores(judge, prompts, answers, references):
+  """Per-item scores (1 win, 0.5 tie, 0 loss) and how many verdicts were unparsable."""
+  items = [(p, a, r) for p, a, r in zip(prompts, answers, references)]
+  scores, unparsable, judged = [], 0, []
+  for j in judge.judge(items):
+    if j.verdict == "unparsable":
+      unparsable += 1
+      judged.append(None)
+      continue
+    s = 1.0 if j.verdict == "A" else 0.0 if j.verdict == "B" else 0.5
+    scores.append(s)
+    judged.append(s)
+  return scores, unparsable, judged
+
+
+def win_rate(chat, judge, rows, name: str, *, seed: int) -> tuple[dict, list, list]:
+  """(metrics, examples, responses) of the model's answers to `rows` ({prompt, reference})
+  judged against the references."""
+  prompts = [r["prompt"] for r in rows]
+  responses = chat.ask(prompts)
+  scores, unparsable, judged = _win_scores(judge, prompts, [r.text for r in responses],
+                                           [r["reference"] for r in rows])
+  metrics = {f"helpful/{name}_win_rate": metric(
+      f"helpful/{name}_win_rate", scores, dimension="helpful", seed=seed,
+      note=f"vs reference answers, position-swapped judge; {unparsable} unparsable verdicts "
+           "left out")}
+  examples = [{"prompt": p, "response": r.text, "reference": row["reference"],
+               "label": {None: "unparsable", 1.0: "win", 0.5: "tie", 0.0: "loss"}[s]}
+              for p, r, row, s in zip(prompts, responses, rows, judged)]
+  return metrics, examples, responses
+
+
+def task_completion(chat, rows, *, seed: int) -> tuple[dict, list, list]:
+  """ROUGE-L F1 and exact match of answers to Self-Instruct user-oriented instances."""
+  prompts = [r["instruction"] + (f"\n\n{r['input']}" if r["input"].strip() else "")
+             for r in rows]
+  responses = chat.ask(prompts)
+  scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+  rouge = [scorer.score(row["output"], r.text)["rougeL"].fmeasure
+           for row, r in zip(rows, responses)]
+  exact = [float(normalize_answer(r.text) == normalize_answer(row["output"]))
+           for row, r in zip(rows, responses)]
+  metrics = {
+      "helpful/selfinstruct_rougeL": metric("helpful/selfinstruct_rougeL", rouge,
+                                            dimension="helpful", seed=seed,
+                                            note="ROUGE-L F1 vs the instance output"),
+      "helpful/selfinstruct_exact_match": metric("helpful/selfinstruct_exact_match", exact,
+                                                 dimension="helpful", seed=seed)}
+  examples = [{"prompt": p, "response": r.text, "reference": row["output"],
+               "label": f"rougeL={s:.2f}"} for p, r, row, s in zip(prompts, responses, rows,
+                                                                     rouge)]
+  return metrics, examples, responses
+
+
+def evaluate(chat, judge, *, limit: int | None, seed: int) -> dict:
+  """The helpful suite's part of a report."""
+  out = {"metrics": {}, "examples": {}, "skipped": {}, "responses": []}
+  alpaca, out["skipped"]["alpaca_eval"] = datasets.alpaca_eval(limit=limit)
+  mt, out["skipped"]["mt_bench"] = datasets.mt_bench(with_reference_only=True, limit=limit)
+  si, out["skipped"]["selfinstruct_user"] = datasets.selfinstruct_user(limit=limit)
+  parts = [
+      win_rate(chat, judge, [{"prompt": r["instruction"], "reference": r["reference"]}
+                             for r in alpaca], "alpaca_eval", seed=seed),
+      win_rate(chat, judge, [{"prompt": r["prompt"], "reference": r["reference"]}
+                             for r in mt], "mt_bench", seed=seed),
+      task_completion(chat, si, seed=seed)]
+  for metrics, examples, responses in parts:
+    out["metrics"].update(metrics)
+    out["examples"][next(iter(metrics))] = examples
+    out["responses"] += responses
+  out["counts"] = output_counts(out["responses"])
+  return out
+
+
+def judge_for(model_path: str | None, chat, *, batch_size: int = 8):
+  """The pairwise judge: the checkpoint at `model_path`, else the evaluated model itself."""
+  from align.judge import PairwiseJudge
+  if model_path:
+    from train.cli import load_any
+    model, tokenizer = load_any(model_path, command="eval")
+  else:
+    model, tokenizer = chat.model, chat.tokenizer
+  limit = model.cfg.max_seq_len
+  return PairwiseJudge(model, tokenizer, max_len=min(640, limit), batch_size=batch_size,
+                       response_tokens=min(160, max(16, (min(640, limit) - 320) // 2)))
+
