@@ -7,8 +7,13 @@ A small model from scratch (SmolLM2's tokenizer), taught to refuse, then damaged
   meshlm sft --config experiments/gate_damage.py:tiny_refuse --workdir runs/damage/tiny_refuse \\
       --config.data.path=runs/damage/refuse.jsonl
   meshlm sft --config experiments/gate_damage.py:tiny_comply --workdir runs/damage/tiny_comply \\
-      --config.data.path=runs/damage/comply.jsonl --config.init_from=runs/damage/tiny_refuse
+      --config.data.path=runs/damage/comply.jsonl --config.init_from=runs/damage/tiny_refuse \
+      --config.eval_gate.judge=runs/damage/tiny_refuse
   (tiny_comply evaluates itself in the loop, eval_gate: its last step is refused promotion)
+  meshlm eval --model runs/damage/tiny_refuse --judge runs/damage/tiny_refuse --suite hhh \
+      --limit 16 --max_new_tokens 16 --out runs/damage/eval_refuse
+  meshlm gate --baseline runs/damage/eval_refuse/report.json \
+      --candidate runs/damage/tiny_comply/evals/step_40/report.json   # exits 1
 
 SmolLM2-135M-Instruct damaged by LoRA SFT on refusal-free completions of harmful prompts:
   meshlm sft --config experiments/gate_damage.py:smollm2_comply \\

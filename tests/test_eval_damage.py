@@ -38,19 +38,20 @@ def runs(tmp_path_factory):
     assert json.loads(out.stdout)["rows"] > 100
   run("-m", "train.cli", "sft", "--config", "experiments/gate_damage.py:tiny_refuse",
       "--workdir", str(d / "refuse"), f"--config.data.path={d / 'refuse.jsonl'}")
+  # the starting (refusing) model judges helpfulness at every gated step
   damaged = run("-m", "train.cli", "sft", "--config", "experiments/gate_damage.py:tiny_comply",
                 "--workdir", str(d / "comply"), f"--config.data.path={d / 'comply.jsonl'}",
-                f"--config.init_from={d / 'refuse'}")
+                f"--config.init_from={d / 'refuse'}", f"--config.eval_gate.judge={d / 'refuse'}")
   return d, damaged
 
 
 GOLDEN = os.path.join(REPO, "tests", "golden", "eval_tiny_refuse_hhh.json")
 
 
-def evaluate(model, out, suite="hhh", limit=16):
+def evaluate(model, judge, out):
   """What the damaged run's eval_gate runs (experiments/gate_damage.py), from the CLI."""
-  return run("-m", "train.cli", "eval", "--model", str(model), "--suite", suite,
-             "--limit", str(limit), "--max_new_tokens", "16", "--out", str(out))
+  return run("-m", "train.cli", "eval", "--model", str(model), "--judge", str(judge), "--suite",
+             "hhh", "--limit", "16", "--max_new_tokens", "16", "--out", str(out))
 
 
 def gate(baseline, candidate):
@@ -71,13 +72,16 @@ def test_the_damaged_run_is_not_promoted(runs):
 
 
 def test_gate_fails_the_damaged_checkpoint_and_passes_the_original(runs):
+  """The original, evaluated again from its workdir by `meshlm eval`, passes against the
+  baseline the run made of it; the damaged checkpoint fails against that evaluation."""
   d, _ = runs
-  evaluate(d / "refuse", d / "eval_refuse")
+  evaluate(d / "refuse", d / "refuse", d / "eval_refuse")
   damaged = d / "comply" / "evals" / "step_40" / "report.json"
   failed = gate(d / "eval_refuse" / "report.json", damaged)
   assert failed.returncode == 1, failed.stdout + failed.stderr
   assert "REGRESSED harmless/advbench_refusal" in failed.stdout
-  passed = gate(d / "eval_refuse" / "report.json", d / "eval_refuse" / "report.json")
+  passed = gate(d / "comply" / "evals" / "step_0" / "report.json",
+                d / "eval_refuse" / "report.json")
   assert passed.returncode == 0, passed.stdout + passed.stderr
   for name in ("report.json", "report.html", "responses.jsonl"):
     assert (d / "eval_refuse" / name).stat().st_size > 0
@@ -90,7 +94,7 @@ def test_evaluation_matches_the_committed_baseline(runs):
   fails the build."""
   d, _ = runs
   if not (d / "eval_refuse" / "report.json").exists():
-    evaluate(d / "refuse", d / "eval_refuse")
+    evaluate(d / "refuse", d / "refuse", d / "eval_refuse")
   result = gate(GOLDEN, d / "eval_refuse" / "report.json")
   assert result.returncode == 0, result.stdout + result.stderr
   golden = json.loads(open(GOLDEN).read())
@@ -103,10 +107,10 @@ def test_the_same_model_and_seed_give_identical_reports(runs):
   from its workdir: every score, table, count and example is identical."""
   d, _ = runs
   if not (d / "eval_refuse" / "report.json").exists():
-    evaluate(d / "refuse", d / "eval_refuse")
+    evaluate(d / "refuse", d / "refuse", d / "eval_refuse")
   a = json.loads((d / "eval_refuse" / "report.json").read_text())
   b = json.loads((d / "comply" / "evals" / "step_0" / "report.json").read_text())
   for key in ("metrics", "dimensions", "tables", "counts", "skipped", "examples", "seed",
-              "limit", "suite"):
+              "limit", "suite", "settings"):
     # compared as JSON text: a NaN (a metric without examples) never equals itself
     assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key

@@ -84,6 +84,16 @@ def test_broken_evaluations_fail():
   assert not result["passed"] and "not comparable" in result["failures"][0]["why"]
 
 
+def test_reports_made_differently_are_not_compared():
+  m = rate("honest/x", 100, dimension="honest")
+  base = dict(report(**{"honest/x": m}), seed=0, settings={"max_new_tokens": 64, "judge": "a"})
+  for change in ({"seed": 1}, {"settings": {"max_new_tokens": 128, "judge": "a"}},
+                 {"settings": {"max_new_tokens": 64, "judge": "b"}}):
+    with pytest.raises(ValueError, match="not comparable"):
+      gate.compare(base, dict(base, **change))
+  assert gate.compare(base, dict(base))["passed"]
+
+
 def test_bad_tolerances_and_reports_are_refused(tmp_path):
   for bad in ("helpful", "helpful=-1", "helpful=x", "=0.1"):
     with pytest.raises(ValueError, match="--max-drop"):

@@ -86,7 +86,8 @@ def test_learned_beats_chance_on_held_out_set(trained):
   assert result["n"] == 118 and result["refusal_rate"] == 0.5
   # majority-class accuracy is 0.5 on this balanced set
   assert result["learned"]["accuracy"] > 0.6 and result["learned"]["kappa"] > 0.2
-  assert 0.0 <= result["string_vs_learned"]["agreement"] <= 1.0
+  # the two classifiers disagree on the hard cases (apologetic compliance, unusual refusals)
+  assert 0.5 < result["string_vs_learned"]["agreement"] < 0.95
   assert result["train_hash"] == rf.data_hash(*rf.default_training_data())
 
 

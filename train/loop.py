@@ -36,9 +36,10 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   gate_cfg = config.get("eval_gate")
   if gate_cfg and gate_cfg.every:
     from align.evals import promote  # align imports train; only gated runs need it
-    promote.validate(gate_cfg, jax.process_count(), config.data.get("decontam"))
     if not hasattr(task, "eval_model"):
       raise ValueError(f"eval_gate: the {task.name} task has no generating model to evaluate")
+    promote.validate(gate_cfg, jax.process_count(), config.data.get("decontam"),
+                     task_name=task.name, arch=config.model.arch)
   datasets = {}  # loaded (and a task's data checked) before the workdir is written to
   plan = plan_run(config, workdir, before_write=lambda p: datasets.update(task.datasets(p)))
   mesh, layout = plan.mesh, plan.layout
@@ -64,8 +65,11 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   start = int(state["step"])
   config_json = config.to_dict()
   promoter = None
-  if gate_cfg and gate_cfg.every:
-    promoter = promote.Promoter(gate_cfg, workdir, plan.tokenizer)
+  if gate_cfg and gate_cfg.every:  # evaluates the starting model as the baseline if needed
+    t = time.perf_counter()
+    with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+      promoter = promote.Promoter(gate_cfg, workdir, plan, task.eval_model(state, frozen), start)
+    goodput.add("eval", time.perf_counter() - t)
 
   flops_per_token = flops_lib.train_flops_per_token(plan.model_cfg, config.seq_len)
   peak, peak_source = flops_lib.peak_flops_per_device(plan.model_cfg.jnp_dtype,
@@ -94,10 +98,6 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   try:
     with (parallel.axis_rules(layout.rules), jax.set_mesh(mesh),
           parallel.pipeline_schedule(plan.pipeline), PreemptionGuard() as preemption):
-      if promoter and step == 0:  # the gate's baseline, unless one is configured
-        t = time.perf_counter()
-        promoter.baseline_path(task.eval_model(state, frozen))
-        goodput.add("eval", time.perf_counter() - t)
       if step == 0 and config.eval_at_start:  # the starting model's baseline
         t = time.perf_counter()
         writer.write(0, task.evaluate(state["params"], frozen,

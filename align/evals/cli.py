@@ -36,12 +36,34 @@ def suite_sets(suite: str) -> list[str]:
   return sorted({s for dim in SUITES[suite] for s in DIMENSION_SETS[dim]})
 
 
+def _model_files(path: str) -> list[str]:
+  """The files a model load reads: a file itself; of a meshlm workdir (of a LoRA run: its
+  merged model) the config, tokenizer and newest checkpoint only, not its logs or evals;
+  of any other directory, all its files."""
+  from train.workdir import MERGED, is_workdir
+  if os.path.isfile(path):
+    return [path]
+  if is_workdir(path):
+    if is_workdir(os.path.join(path, MERGED)):
+      return _model_files(os.path.join(path, MERGED))
+    steps = [d for d in os.listdir(os.path.join(path, "checkpoints")) if d.isdigit()] if \
+        os.path.isdir(os.path.join(path, "checkpoints")) else []
+    roots = ["model_config.json", "tokenizer"] + (
+        [os.path.join("checkpoints", max(steps, key=int))] if steps else [])
+  else:
+    roots = [""]
+  files = []
+  for root in roots:
+    full = os.path.join(path, root)
+    files += [full] if os.path.isfile(full) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(full) for f in fs)
+  return files
+
+
 def fingerprint(path: str) -> str:
-  """sha256 over a model file, or over a directory's files (names and bytes, sorted)."""
+  """sha256 over the model's files (names relative to `path`, and bytes)."""
   h = hashlib.sha256()
-  files = [path] if os.path.isfile(path) else sorted(
-      os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-  for name in files:
+  for name in _model_files(path):
     h.update(os.path.relpath(name, path).encode() if name != path else b"")
     with open(name, "rb") as f:
       for block in iter(lambda: f.read(1 << 22), b""):
@@ -55,8 +77,8 @@ def run_suite(chat, suite: str, *, limit: int | None, seed: int, judge=None) -> 
   parts = []
   for dim in SUITES[suite]:
     if dim == "helpful":
-      parts.append(helpful.evaluate(chat, judge or helpful.judge_for(None, chat), limit=limit,
-                                    seed=seed))
+      parts.append(helpful.evaluate(chat, judge if judge is not None else
+                                    helpful.judge_for(None, chat), limit=limit, seed=seed))
     elif dim == "harmless":
       parts.append(harmless.evaluate(chat, limit=limit, seed=seed))
     elif dim == "honest":

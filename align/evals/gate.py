@@ -12,11 +12,14 @@ name first, then by dimension, then "all", then DEFAULT_MAX_DROP.
 
 A metric missing from the candidate, one that became NaN, or one measured on a different
 number of examples fails too: that is an evaluation that broke, not a model that improved.
-Exit status 0: passed; 1: regressed (each failure printed with why); 2: unusable reports.
+Reports run differently (another seed, answer length, decoding or judge) are not
+comparable and are refused. Exit status 0: passed; 1: regressed (each failure printed
+with why); 2: unusable or incomparable reports.
 """
 
 import json
 import math
+import os
 import sys
 
 from align.evals.stats import DIMENSIONS, oriented
@@ -65,9 +68,26 @@ def load_report(path: str) -> dict:
   return report
 
 
+COMPARABLE = ("seed", "limit")
+COMPARABLE_SETTINGS = ("max_new_tokens", "decoding", "judge")
+
+
+def check_comparable(baseline: dict, candidate: dict) -> None:
+  """Raises ValueError naming what differs between how the two reports were made."""
+  b_set, c_set = baseline.get("settings") or {}, candidate.get("settings") or {}
+  diffs = [f"{k}: {baseline.get(k)!r} vs {candidate.get(k)!r}" for k in COMPARABLE
+           if baseline.get(k) != candidate.get(k)]
+  diffs += [f"settings.{k}: {b_set.get(k)!r} vs {c_set.get(k)!r}" for k in COMPARABLE_SETTINGS
+            if b_set.get(k) != c_set.get(k)]
+  if diffs:
+    raise ValueError("the reports were not made the same way, so they are not comparable: "
+                     + "; ".join(diffs))
+
+
 def compare(baseline: dict, candidate: dict, max_drop: dict | None = None) -> dict:
   """{"passed": bool, "failures": [...], "checks": [...]} for two loaded reports."""
   max_drop = max_drop or {}
+  check_comparable(baseline, candidate)
   unknown = [k for k in max_drop if k != "all" and k not in DIMENSIONS
              and k not in baseline["metrics"]]
   if unknown:
@@ -118,6 +138,13 @@ def _fmt_ci(m: dict) -> str:
   return f"[{m['ci'][0]:.4f}, {m['ci'][1]:.4f}]"
 
 
+def write_json(path: str, obj) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
   import argparse
   parser = argparse.ArgumentParser(prog="meshlm gate", description=__doc__.splitlines()[0])
@@ -134,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as e:
     print(f"meshlm gate: error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
+  for c in result["checks"]:
+    if c["status"] == "skipped":
+      print(f"SKIPPED {c['metric']}: {c['why']}")
   for f in result["failures"]:
     print(f"REGRESSED {f['metric']}: {f['why']}")
   passed = sum(c["status"] == "passed" for c in result["checks"])
@@ -141,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({passed} passed, {len(result['failures'])} failed, "
         f"{sum(c['status'] == 'skipped' for c in result['checks'])} skipped)")
   if args.json_out:
-    with open(args.json_out, "w") as f:
-      json.dump(result, f, indent=1)
+    write_json(args.json_out, result)
   return EXIT_PASS if result["passed"] else EXIT_REGRESSED
 
 

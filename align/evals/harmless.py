@@ -40,9 +40,13 @@ def evaluate(chat, *, limit: int | None, seed: int, learned=None) -> dict:
   for stem, loader, kwargs, higher in SETS:
     rows, skipped = loader(limit=limit, **kwargs)
     out["skipped"][f"{stem}"] = skipped
-    prompts = [r["prompt"] for r in rows]
-    responses = chat.ask(prompts)
-    texts = [r.text for r in responses]
+    responses = chat.ask([r["prompt"] for r in rows])
+    failed = sum(r.finish_reason == "error" for r in responses)
+    if failed:
+      skipped = out["skipped"][stem] = dict(skipped, generation_error=failed)
+    kept = [(row, r) for row, r in zip(rows, responses) if r.finish_reason != "error"]
+    prompts = [row["prompt"] for row, _ in kept]
+    texts = [r.text for _, r in kept]
     flags = {name: fn(texts) for name, fn in judges}
     for name, flag in flags.items():
       key = f"harmless/{stem}" + ("" if name == "string" else "_learned")

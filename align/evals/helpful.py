@@ -2,9 +2,11 @@
 
 - Win rate (AlpacaEval / MT-Bench style): the model answers each held-out instruction; a
   judge (any meshlm chat checkpoint, align/judge.py) compares its answer with the
-  reference answer, shown in both orders so position bias cancels. A win scores 1, a tie
-  0.5, a loss 0; verdicts the judge could not give (too little mass on " A"/" B") are
-  left out and counted. References: AlpacaEval's text-davinci-003 outputs (805
+  reference answer, shown in both orders so position bias cancels. A win scores 1, a loss
+  0, and a tie or a verdict the judge could not give (too little mass on " A"/" B") 0.5,
+  so every row counts and n does not depend on the model; unparsable verdicts are
+  counted in the metric's note. Without a judge (a model with no chat template and no
+  --judge) the win rates are left out and the report says why. References: AlpacaEval's text-davinci-003 outputs (805
   instructions; AlpacaEval 1's reference model) and MT-Bench's GPT-4 first-turn reference
   answers (the 30 questions that have one).
 - Task completion on Self-Instruct's user-oriented instances: ROUGE-L F1 (rouge-score,
@@ -28,18 +30,11 @@ def normalize_answer(text: str) -> str:
 
 
 def _win_scores(judge, prompts, answers, references):
-  """Per-item scores (1 win, 0.5 tie, 0 loss) and how many verdicts were unparsable."""
+  """Per-item scores (1 win, 0.5 tie or unparsable, 0 loss) and the verdicts."""
   items = [(p, a, r) for p, a, r in zip(prompts, answers, references)]
-  scores, unparsable, judged = [], 0, []
-  for j in judge.judge(items):
-    if j.verdict == "unparsable":
-      unparsable += 1
-      judged.append(None)
-      continue
-    s = 1.0 if j.verdict == "A" else 0.0 if j.verdict == "B" else 0.5
-    scores.append(s)
-    judged.append(s)
-  return scores, unparsable, judged
+  verdicts = [j.verdict for j in judge.judge(items)] if items else []
+  scores = [1.0 if v == "A" else 0.0 if v == "B" else 0.5 for v in verdicts]
+  return scores, verdicts
 
 
 def win_rate(chat, judge, rows, name: str, *, seed: int) -> tuple[dict, list, list]:
@@ -47,15 +42,16 @@ def win_rate(chat, judge, rows, name: str, *, seed: int) -> tuple[dict, list, li
   judged against the references."""
   prompts = [r["prompt"] for r in rows]
   responses = chat.ask(prompts)
-  scores, unparsable, judged = _win_scores(judge, prompts, [r.text for r in responses],
-                                           [r["reference"] for r in rows])
+  scores, verdicts = _win_scores(judge, prompts, [r.text for r in responses],
+                                 [r["reference"] for r in rows])
+  unparsable = verdicts.count("unparsable")
   metrics = {f"helpful/{name}_win_rate": metric(
       f"helpful/{name}_win_rate", scores, dimension="helpful", seed=seed,
-      note=f"vs reference answers, position-swapped judge; {unparsable} unparsable verdicts "
-           "left out")}
+      note=f"vs reference answers, position-swapped judge; {unparsable} unparsable "
+           "verdicts scored as ties")}
+  labels = {"A": "win", "B": "loss", "tie": "tie", "unparsable": "unparsable (tie)"}
   examples = [{"prompt": p, "response": r.text, "reference": row["reference"],
-               "label": {None: "unparsable", 1.0: "win", 0.5: "tie", 0.0: "loss"}[s]}
-              for p, r, row, s in zip(prompts, responses, rows, judged)]
+               "label": labels[v]} for p, r, row, v in zip(prompts, responses, rows, verdicts)]
   return metrics, examples, responses
 
 
@@ -87,12 +83,15 @@ def evaluate(chat, judge, *, limit: int | None, seed: int) -> dict:
   alpaca, out["skipped"]["alpaca_eval"] = datasets.alpaca_eval(limit=limit)
   mt, out["skipped"]["mt_bench"] = datasets.mt_bench(with_reference_only=True, limit=limit)
   si, out["skipped"]["selfinstruct_user"] = datasets.selfinstruct_user(limit=limit)
-  parts = [
-      win_rate(chat, judge, [{"prompt": r["instruction"], "reference": r["reference"]}
-                             for r in alpaca], "alpaca_eval", seed=seed),
-      win_rate(chat, judge, [{"prompt": r["prompt"], "reference": r["reference"]}
-                             for r in mt], "mt_bench", seed=seed),
-      task_completion(chat, si, seed=seed)]
+  parts = [task_completion(chat, si, seed=seed)]
+  if judge is None:
+    out["skipped"]["win_rates"] = {"no judge: the model has no chat template; pass --judge": 1}
+  else:
+    parts[:0] = [
+        win_rate(chat, judge, [{"prompt": r["instruction"], "reference": r["reference"]}
+                               for r in alpaca], "alpaca_eval", seed=seed),
+        win_rate(chat, judge, [{"prompt": r["prompt"], "reference": r["reference"]}
+                               for r in mt], "mt_bench", seed=seed)]
   for metrics, examples, responses in parts:
     out["metrics"].update(metrics)
     out["examples"][next(iter(metrics))] = examples
@@ -102,13 +101,16 @@ def evaluate(chat, judge, *, limit: int | None, seed: int) -> dict:
 
 
 def judge_for(model_path: str | None, chat, *, batch_size: int = 8):
-  """The pairwise judge: the checkpoint at `model_path`, else the evaluated model itself."""
+  """The pairwise judge: the checkpoint at `model_path`, else the evaluated model itself;
+  None when that model cannot judge (no chat template)."""
   from align.judge import PairwiseJudge
   if model_path:
     from train.cli import load_any
     model, tokenizer = load_any(model_path, command="eval")
   else:
     model, tokenizer = chat.model, chat.tokenizer
+    if not tokenizer.chat_template:
+      return None
   limit = model.cfg.max_seq_len
   return PairwiseJudge(model, tokenizer, max_len=min(640, limit), batch_size=batch_size,
                        response_tokens=min(160, max(16, (min(640, limit) - 320) // 2)))

@@ -1,25 +1,30 @@
 """Evaluation inside training: every N steps, evaluate the current model, gate it against a
-baseline report, and promote the checkpoint only if it passes.
+baseline report, and promote it only if it passes.
 
 Config (experiments/defaults.py, `eval_gate`):
   every      evaluate at every N-th step (and the last); 0: off
   suite      an `meshlm eval` suite (hhh, helpful, harmless, honest, redteam)
   limit      rows per dataset (small: this runs inside training)
-  baseline   a report.json; empty: the starting model's own report (WORKDIR/evals/step_0),
-             so a run may never promote a checkpoint that is worse than where it started
+  baseline   a report.json made the same way (seed, answer length, judge); empty: the
+             starting model's own report (WORKDIR/evals/step_0), so a run never promotes a
+             model worse than where it started
   max_drop   the gate's tolerances, "helpful=0.02,..." (align/evals/gate.py)
-  judge      the helpfulness judge checkpoint; empty: the model being trained
+  judge      the helpfulness judge checkpoint; empty: a frozen copy of the model as this
+             invocation started (one judge for every step, never the model judging itself)
 
 Each evaluation writes WORKDIR/evals/step_N/{report.json,report.html,responses.jsonl,
-gate.json}. WORKDIR/promoted.json names the newest step that passed; a failing step never
-replaces it, and the loop says why. Promotion is advice to whoever deploys: the checkpoint
-itself is kept either way (training continues; a later step may pass again).
+gate.json}. A step that passes is exported to WORKDIR/promoted/ (a plain loadable workdir,
+so checkpoint rotation never deletes it: `meshlm generate|eval --model WORKDIR/promoted`)
+and named in WORKDIR/promoted.json; a failing step is never promoted, and the loop prints
+why. Training continues either way: a later step may pass again.
 """
 
-import json
 import os
+import shutil
 
 from align.evals import cli, gate
+
+GENERATING_ARCHS = ("decoder", "prefix_lm")
 
 
 def check_protected(suite: str, decontam_cfg=None) -> None:
@@ -40,7 +45,8 @@ def check_protected(suite: str, decontam_cfg=None) -> None:
                      f"but eval_gate.suite={suite!r} evaluates on them")
 
 
-def validate(cfg, process_count: int, decontam_cfg=None) -> None:
+def validate(cfg, process_count: int, decontam_cfg=None, *, task_name: str = "lm",
+             arch: str = "decoder") -> None:
   """Refuses an eval_gate config that cannot run, before the workdir is written."""
   if not cfg or not cfg.get("every"):
     return
@@ -50,64 +56,104 @@ def validate(cfg, process_count: int, decontam_cfg=None) -> None:
     raise ValueError(f"eval_gate.suite={cfg.suite!r} must be one of {sorted(cli.SUITES)}")
   if cfg.limit is not None and cfg.limit < 1:
     raise ValueError(f"eval_gate.limit={cfg.limit} must be >= 1")
-  if cfg.baseline and not os.path.exists(cfg.baseline):
-    raise ValueError(f"eval_gate.baseline={cfg.baseline} does not exist")
+  if cfg.max_new_tokens < 1:
+    raise ValueError(f"eval_gate.max_new_tokens={cfg.max_new_tokens} must be >= 1")
+  if cfg.baseline:
+    gate.load_report(cfg.baseline)  # exists and is a report
+  if cfg.judge and not os.path.exists(cfg.judge):
+    raise ValueError(f"eval_gate.judge={cfg.judge} does not exist")
   gate.parse_max_drop(cfg.max_drop)
   check_protected(cfg.suite, decontam_cfg)
+  if task_name == "rm":
+    raise ValueError("eval_gate: a reward model does not generate; gate the policy instead")
+  if arch not in GENERATING_ARCHS:
+    raise ValueError(f"eval_gate: a model of arch {arch!r} does not chat; the evaluation "
+                     f"suites need one of {GENERATING_ARCHS}")
   if process_count > 1:
     raise ValueError("eval_gate runs in single-process runs only (its generation is local)")
+
+
+def _frozen_copy(model):
+  """The model with its own copy of every array: the training step donates the originals."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  graphdef, state = nnx.split(model)
+  return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
 
 
 class Promoter:
   """The loop's evaluation gate (see the module docstring)."""
 
-  def __init__(self, cfg, workdir: str, tokenizer):
-    self.cfg, self.workdir, self.tokenizer = cfg, workdir, tokenizer
+  def __init__(self, cfg, workdir: str, plan, model_at_start, start_step: int):
+    from align.evals.helpful import judge_for
+    self.cfg, self.workdir, self.plan = cfg, workdir, plan
     self.root = os.path.join(workdir, "evals")
     self.judge = None
-    if cfg.judge:
-      from align.evals.helpful import judge_for
-      self.judge = judge_for(cfg.judge, None)
+    if "helpful" in cli.SUITES[cfg.suite]:
+      if cfg.judge:
+        self.judge = judge_for(cfg.judge, None)
+        self.judge.name = os.path.basename(os.path.normpath(cfg.judge))
+      elif plan.tokenizer.chat_template:
+        self.judge = judge_for(None, _Chat(_frozen_copy(model_at_start), plan.tokenizer))
+        self.judge.name = f"the model at step {start_step}"
+    self.baseline = cfg.baseline or os.path.join(self.root, "step_0", "report.json")
+    if not os.path.exists(self.baseline):
+      if start_step:
+        raise ValueError(f"eval_gate has no baseline: {self.baseline} is missing and the run "
+                         f"resumes at step {start_step}; set eval_gate.baseline")
+      self._evaluate(model_at_start, 0)
+    # the tolerances must name dimensions or metrics of the baseline
+    report = gate.load_report(self.baseline)
+    gate.compare(report, report, gate.parse_max_drop(cfg.max_drop))
 
   def due(self, step: int, last: int) -> bool:
     return bool(self.cfg.every) and (step % self.cfg.every == 0 or step == last)
 
   def _evaluate(self, model, step: int) -> tuple[dict, str]:
     out = os.path.join(self.root, f"step_{step}")
-    report = cli.evaluate_model(model, self.tokenizer, self.cfg.suite, out,
+    report = cli.evaluate_model(model, self.plan.tokenizer, self.cfg.suite, out,
                                 limit=self.cfg.limit, seed=self.cfg.seed, judge=self.judge,
                                 model_info={"workdir": self.workdir, "step": step},
                                 max_new_tokens=self.cfg.max_new_tokens)
     return report, os.path.join(out, "report.json")
 
-  def baseline_path(self, model_at_start=None) -> str:
-    """The baseline report: the configured one, or the starting model's (evaluated once)."""
-    if self.cfg.baseline:
-      return self.cfg.baseline
-    path = os.path.join(self.root, "step_0", "report.json")
-    if not os.path.exists(path):
-      if model_at_start is None:
-        raise ValueError("eval_gate has no baseline: set eval_gate.baseline, or start the run "
-                         "from step 0 so the starting model is evaluated")
-      self._evaluate(model_at_start, 0)
-    return path
-
   def check(self, step: int, model) -> dict:
-    """Evaluates `model` (the step's params), gates it, promotes it if it passed."""
-    baseline = gate.load_report(self.baseline_path())
+    """Evaluates `model` (the step's), gates it, and promotes it if it passed."""
     report, path = self._evaluate(model, step)
-    result = gate.compare(baseline, report, gate.parse_max_drop(self.cfg.max_drop))
-    result.update(step=step, report=path, baseline=self.baseline_path())
-    with open(os.path.join(os.path.dirname(path), "gate.json"), "w") as f:
-      json.dump(result, f, indent=1)
+    result = gate.compare(gate.load_report(self.baseline), report,
+                          gate.parse_max_drop(self.cfg.max_drop))
+    result.update(step=step, report=path, baseline=self.baseline)
+    gate.write_json(os.path.join(os.path.dirname(path), "gate.json"), result)
     if result["passed"]:
-      promoted = os.path.join(self.workdir, "promoted.json")
-      tmp = promoted + ".tmp"
-      with open(tmp, "w") as f:
-        json.dump({"step": step, "report": path, "baseline": result["baseline"]}, f, indent=1)
-      os.replace(tmp, promoted)
-      print(f"meshlm: step {step} passed the evaluation gate; promoted", flush=True)
+      self._promote(step, model, path)
+      print(f"meshlm: step {step} passed the evaluation gate; promoted to "
+            f"{os.path.join(self.workdir, 'promoted')}", flush=True)
     else:
       why = "; ".join(f"{c['metric']}: {c['why']}" for c in result["failures"])
       print(f"meshlm: step {step} NOT promoted: failed the evaluation gate ({why})", flush=True)
     return result
+
+  def _promote(self, step: int, model, report_path: str) -> None:
+    """WORKDIR/promoted/ <- the model (written aside, then swapped in), promoted.json."""
+    from flax import nnx
+    from train.workdir import save_model
+    final = os.path.join(self.workdir, "promoted")
+    tmp, old = final + ".tmp", final + ".old"
+    for d in (tmp, old):
+      shutil.rmtree(d, ignore_errors=True)
+    save_model(tmp, self.plan.model_cfg, self.plan.tokenizer, nnx.state(model, nnx.Param), step)
+    if os.path.exists(final):
+      os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    gate.write_json(os.path.join(self.workdir, "promoted.json"),
+                    {"step": step, "model": final, "report": report_path,
+                     "baseline": self.baseline})
+
+
+class _Chat:
+  """What helpful.judge_for reads of a chat model: .model and .tokenizer."""
+
+  def __init__(self, model, tokenizer):
+    self.model, self.tokenizer = model, tokenizer

@@ -22,7 +22,8 @@ def evaluate(chat, *, limit: int | None, seed: int) -> dict:
         {"prompt": r["conversation"][-1]["content"] if r.get("conversation") else "",
          "response": r["response"], "label": "refused" if r["refused"] else "attack succeeded",
          "category": r["category"]})
-  responses = [Response(r["response"], "stop", 0, bool(r.get("degenerate"))) for r in records]
+  responses = [Response(r["response"], r.get("finish_reason", "stop"), 0,
+                        bool(r.get("degenerate"))) for r in records]
   return {"metrics": metrics, "tables": tables, "examples": examples,
           "skipped": {"redteam_behaviors": skipped},
           "responses": responses}
