@@ -117,12 +117,12 @@ def base_config() -> ConfigDict:
   # Multi-process: exit 77 when a peer has been silent this long (keep well under
   # parallel.distributed.HEARTBEAT_TIMEOUT_S / 2, where JAX aborts on its own).
   c.peer_timeout_seconds = 20.0
-  # Test hooks: poison the gradients / sleep at this (1-based) step; -1 is off.
   # Evaluation gate (align/evals/promote.py): every N steps run `meshlm eval`'s suite on the
   # current model and promote the checkpoint (WORKDIR/promoted.json) only if it passes the
   # gate against `baseline` (empty: the starting model's report). every=0: off.
   c.eval_gate = ConfigDict(dict(every=0, suite="hhh", limit=20, baseline="", max_drop="",
                                 judge="", seed=0, max_new_tokens=64))
+  # Test hooks: poison the gradients / sleep at this (1-based) step; -1 is off.
   c.debug = ConfigDict(dict(nan_at_step=-1, slow_step_at=-1, slow_step_seconds=0.0))
 
   c.sample = ConfigDict()
