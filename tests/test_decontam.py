@@ -85,13 +85,16 @@ def test_ngrams_never_span_two_strings_of_a_row(tmp_path):
   assert len(DC.check_rows([" ".join(tokens[:14])], index).overlaps) == 1
 
 
-def test_registry_holds_the_four_public_eval_sets():
+def test_registry_holds_the_public_eval_sets():
   entries = {e["name"]: e for e in DC.load_registry()}
-  assert set(entries) >= {"alpaca-eval", "mt-bench", "truthfulqa", "xstest"}
+  assert set(entries) >= {"alpaca-eval", "mt-bench", "truthfulqa", "xstest", "advbench",
+                          "jbb-behaviors", "self-instruct-user", "unanswerable"}
   assert entries["truthfulqa"]["fields"] == ["Question", "Best Answer"]
   assert all(e.get("licence") for e in entries.values())
   index = DC.build_index()
-  assert index.rows == {"alpaca-eval": 805, "mt-bench": 80, "truthfulqa": 817, "xstest": 450}
+  assert index.rows == {"alpaca-eval": 805, "mt-bench": 80, "truthfulqa": 817, "xstest": 450,
+                        "advbench": 520, "jbb-behaviors": 100, "self-instruct-user": 252,
+                        "unanswerable": 60}
   assert index.n == 13 and index.size > 15000
 
 
