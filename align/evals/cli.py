@@ -123,16 +123,17 @@ def build_report(body: dict, *, suite: str, seed: int, limit: int | None, model:
           "examples": {k: v[:examples_per_metric] for k, v in body["examples"].items()}}
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
+  """`text` to `path` through a temporary file and a rename: never half-written."""
   tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
+  with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
 
 
-def write_outputs(out_dir: str, report: dict, responses: list, examples: dict) -> None:
+def write_outputs(out_dir: str, report: dict, examples: dict) -> None:
   """report.json, responses.jsonl and report.html, each written atomically."""
   from align.evals import html
   os.makedirs(out_dir, exist_ok=True)
@@ -140,10 +141,10 @@ def write_outputs(out_dir: str, report: dict, responses: list, examples: dict) -
   for metric_name, rows in sorted(examples.items()):
     for i, row in enumerate(rows):
       lines.append(json.dumps({"metric": metric_name, "i": i, **row}, ensure_ascii=False))
-  _atomic_write(os.path.join(out_dir, "responses.jsonl"), "\n".join(lines) + "\n")
-  _atomic_write(os.path.join(out_dir, "report.json"),
+  atomic_write(os.path.join(out_dir, "responses.jsonl"), "\n".join(lines) + "\n")
+  atomic_write(os.path.join(out_dir, "report.json"),
                 json.dumps(report, indent=1, sort_keys=True, allow_nan=True) + "\n")
-  _atomic_write(os.path.join(out_dir, "report.html"), html.render(report))
+  atomic_write(os.path.join(out_dir, "report.html"), html.render(report))
 
 
 def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: int | None,
@@ -163,7 +164,7 @@ def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: 
   report = build_report(body, suite=suite, seed=seed, limit=limit, model=model_info or {},
                         settings=settings)
   if out_dir:
-    write_outputs(out_dir, report, body["responses"], body["examples"])
+    write_outputs(out_dir, report, body["examples"])
   return report
 
 

@@ -72,12 +72,9 @@ def records(kind: str, *, limit: int | None = None, source: str = SOURCE,
 
 
 def write(path: str, rows: list[dict]) -> None:
+  from align.evals.cli import atomic_write
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for r in rows:
-      f.write(json.dumps(r, ensure_ascii=False) + "\n")
-  os.replace(tmp, path)
+  atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:

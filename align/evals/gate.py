@@ -19,7 +19,6 @@ with why); 2: unusable or incomparable reports.
 
 import json
 import math
-import os
 import sys
 
 from align.evals.stats import DIMENSIONS, oriented
@@ -139,10 +138,8 @@ def _fmt_ci(m: dict) -> str:
 
 
 def write_json(path: str, obj) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
+  from align.evals.cli import atomic_write
+  atomic_write(path, json.dumps(obj, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
