@@ -50,6 +50,8 @@ class Token:
   text: str
   logprob: float | None
   finish_reason: str | None = None
+  # (token_id, logprob) of the most likely tokens, best first, when params.top_logprobs > 0
+  top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class _Request:
@@ -65,13 +67,18 @@ class _Request:
     self.text = ""
     self.emitted = ""
     self.finish_reason: str | None = None
+    self.error: str | None = None
 
   @property
   def done(self) -> bool:
     return self.finish_reason is not None
 
-  def add(self, token_id: int, logprob: float) -> Token:
+  def add(self, token_id: int, logprob: float, top=None) -> Token:
     """Appends a sampled token, checks the stop conditions, returns the streamed delta."""
+    if not np.isfinite(logprob):  # a broken checkpoint: say so rather than emit garbage
+      self.finish_reason = "error"
+      self.error = f"the model produced non-finite logits (token {len(self.token_ids)})"
+      return Token(token_id, "", None, "error")
     self.token_ids.append(token_id)
     self.logprobs.append(logprob)
     stopped_by_token = token_id in self.stop_ids
@@ -87,7 +94,9 @@ class _Request:
     visible = self.text if self.done else self._settled()
     delta = visible[len(self.emitted):] if len(visible) > len(self.emitted) else ""
     self.emitted = max(self.emitted, visible, key=len)
-    return Token(token_id, delta, logprob if self.params.logprobs else None, self.finish_reason)
+    top = tuple(top[:self.params.top_logprobs]) if top and self.params.top_logprobs else None
+    return Token(token_id, delta, logprob if self.params.logprobs else None, self.finish_reason,
+                 top)
 
   def _settled(self) -> str:
     """The text minus what may still change: a partial character or a stop string's start."""
@@ -98,7 +107,7 @@ class _Request:
 
   def result(self) -> Result:
     return Result(self.text, self.token_ids, self.logprobs if self.params.logprobs else None,
-                  self.finish_reason, prompt_tokens=len(self.prompt_ids))
+                  self.finish_reason, self.error, prompt_tokens=len(self.prompt_ids))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))

@@ -90,19 +90,36 @@ def scatter_tokens(pages_KWZH, new_BTKH, page_BT, slot_BT):
       jnp.moveaxis(new_BTKH, 2, 0).astype(pages_KWZH.dtype))
 
 
+def gather_layer(pages_LKWZH, layer, table_BY):
+  """gather_pages of one layer, read in place: one gather, no copy of the layer's pages."""
+  x_BYKZH = pages_LKWZH[layer, :, table_BY]
+  b, y, k, z = x_BYKZH.shape[:4]
+  return jnp.swapaxes(x_BYKZH, 2, 3).reshape(b, y * z, k, *x_BYKZH.shape[4:])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Pages:
-  """What Attention.decode calls per layer: scatter the chunk into pages, attend through tables."""
+  """What Attention.decode calls per layer: scatter the chunk into pages, attend through tables.
+
+  With `pool` set (float pools off the TPU kernel) the layer cache is just the layer's index:
+  the pool is read in place, the chunk's keys and values are put into the gathered rows only,
+  and they leave the layer scan as its outputs, to be written into the pool once afterwards.
+  Otherwise each layer returns its whole updated pages, and the scan copies the pool.
+  """
   table_BY: jax.Array
   page_BT: jax.Array
   slot_BT: jax.Array
   lengths_B: jax.Array  # tokens cached per row once this chunk is written
+  pool: PagePool | None = None
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
     if bias_fn is not None:
       raise NotImplementedError("the paged cache has no relative position bias (T5); serve "
                                 "encoder-decoder models with infer.seq2seq")
+    if self.pool is not None:
+      return self._attend_in_place(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
+                                   segment_ids_BT, cfg)
     if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 pool
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                segment_ids_BT, cfg)
@@ -116,6 +133,20 @@ class _Pages:
       out_BTNH = paged_attention(q_BTNH, k_KWZH, v_KWZH, self.table_BY, self.lengths_B,
                                  positions_BT, segment_ids_BT, cfg)
     return out_BTNH, (k_KWZH, v_KWZH)
+
+  def _attend_in_place(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+    pool = self.pool
+    k_BSKH = gather_layer(pool.k_LKWZH, layer, self.table_BY)
+    v_BSKH = gather_layer(pool.v_LKWZH, layer, self.table_BY)
+    b, s = k_BSKH.shape[:2]
+    # slot s of a gathered row is position s; padding tokens go nowhere
+    at_BT = jnp.where(segment_ids_BT > 0, positions_BT, s)
+    rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], at_BT.shape)
+    k_BSKH = k_BSKH.at[rows_BT, at_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
+    v_BSKH = v_BSKH.at[rows_BT, at_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
+    out_BTNH = attend_gathered(q_BTNH, k_BSKH, v_BSKH, self.lengths_B, positions_BT,
+                               segment_ids_BT, cfg)
+    return out_BTNH, (k_BTKH, v_BTKH)
 
   def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
     """Scatters the chunk quantized; dequantizes only the pages the rows' block tables name."""
@@ -153,8 +184,12 @@ def attend_gathered(q_BTNH, k_BSKH, v_BSKH, lengths_B, positions_BT, segment_ids
 
 
 def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:
+  return _uses_kernel(q_BTNH.shape[1], cfg)
+
+
+def _uses_kernel(t: int, cfg: ModelConfig) -> bool:
   # The kernel serves one query per row with a full causal prefix: no windows, TPU only.
-  return (q_BTNH.shape[1] == 1 and not cfg.sliding_window and jax.default_backend() == "tpu"
+  return (t == 1 and not cfg.sliding_window and jax.default_backend() == "tpu"
           and cfg.attention_impl in ("auto", "pallas"))
 
 
@@ -185,10 +220,19 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   block_BT = jnp.minimum(positions_BT // z, table_BY.shape[1] - 1)
   page_BT = jnp.where(real_BT > 0, jnp.take_along_axis(table_BY, block_BT, axis=1), NULL_PAGE)
-  pages = _Pages(table_BY, page_BT, positions_BT % z, start_B + n_B)
+  last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
+  slot_BT = positions_BT % z
+  if pool.k_scale_LKWZ is None and not _uses_kernel(t, model.cfg):
+    pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool)
+    layers = jnp.arange(pool.k_LKWZH.shape[0])
+    logits, (k_LBTKH, v_LBTKH) = model.decode(tokens_BT, positions_BT, real_BT, layers, pages,
+                                              last_B)
+    write = lambda pages_LKWZH, new_LBTKH: constrain(pages_LKWZH.at[:, :, page_BT, slot_BT].set(
+        jnp.moveaxis(new_LBTKH, 3, 1).astype(pages_LKWZH.dtype)), POOL_AXES)
+    return logits, PagePool(write(pool.k_LKWZH, k_LBTKH), write(pool.v_LKWZH, v_LBTKH))
+  pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B)
   logits, (k_LKWZH, v_LKWZH, *scales) = model.decode(
-      tokens_BT, positions_BT, real_BT, pool.layers, pages,
-      None if all_logits else jnp.maximum(n_B - 1, 0))
+      tokens_BT, positions_BT, real_BT, pool.layers, pages, last_B)
   return logits, PagePool(constrain(k_LKWZH, POOL_AXES), constrain(v_LKWZH, POOL_AXES),
                           *(constrain(s, SCALE_AXES) for s in scales))
 

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 _BUCKET = 64
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class SamplingParams:
   ignore_eos: bool = False
   seed: int = 0
   logprobs: bool = False
+  top_logprobs: int = 0  # also return this many most likely tokens per step (PagedEngine)
 
   def validate(self) -> None:
     """Raises ValueError naming the parameter and its allowed range."""
@@ -63,6 +65,8 @@ class SamplingParams:
         ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
         ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
         ("seed", 0 <= self.seed < 2 ** 32, "in [0, 2**32)"),
+        ("top_logprobs", isinstance(self.top_logprobs, (int, np.integer))
+         and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]"),
     ]
     for name, ok, allowed in checks:
       if not ok:

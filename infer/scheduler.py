@@ -52,6 +52,7 @@ class SchedulerCounters:
   preemptions: int = 0
   admitted: int = 0
   finished: int = 0
+  aborted: int = 0
   steps: int = 0
   prefill_tokens: int = 0
   decode_tokens: int = 0
@@ -141,6 +142,16 @@ class Scheduler:
     self.running.remove(seq)
     self.blocks.free_seq(seq.blocks)
     self.counters.finished += 1
+    self._count()
+
+  def abort(self, seq: Sequence) -> None:
+    """Forgets an unfinished sequence, running or waiting, and frees its blocks."""
+    if seq in self.running:
+      self.running.remove(seq)
+    elif seq in self.waiting:
+      self.waiting.remove(seq)
+    self.blocks.free_seq(seq.blocks)
+    self.counters.aborted += 1
     self._count()
 
   def _preempt(self, seq: Sequence) -> None:

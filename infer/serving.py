@@ -6,9 +6,10 @@
     while engine.has_work:
       for rid, token in engine.step(): ...
 
-Each step runs what infer/scheduler.py planned: one jitted call for the
-sequences still reading their prompts (chunks right-padded to a power of
-two) and one for the decoding ones (one token each, `max_batch` rows). A
+Each step runs what infer/scheduler.py planned: a jitted call per power-of-two
+chunk length for the sequences still reading their prompts (chunks
+right-padded to that length) and one for the decoding ones (one token each,
+`max_batch` rows). `precompile()` compiles every such shape ahead. A
 finished request frees its slot and blocks at once, and a waiting one takes
 them at the next step: no request waits for the longest in its batch.
 `kv_dtype="int8"` keeps the pool as int8 pages with per-token scales.
@@ -31,17 +32,20 @@ from flax import nnx
 from infer import paged
 from infer.block_manager import BlockManager
 from infer.engine import Engine, Result, Token, batch_of_requests
-from infer.sampling import RowParams, SamplingParams, sample
+from infer.sampling import MAX_TOP_LOGPROBS, RowParams, SamplingParams, sample
 from infer.scheduler import Scheduler, Sequence
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_n"), donate_argnames=("pool",))
 def _step(graphdef, state, pool, tokens_BT, segment_ids_BT, start_B, table_BY, seen_BV, rows,
-          step_B):
+          step_B, top_n=0):
   model = nnx.merge(graphdef, state)
   logits_BV, pool = paged.forward(model, pool, tokens_BT, segment_ids_BT, start_B, table_BY)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, step_B)
-  return token_B, logprob_B, pool
+  top = None
+  if top_n:  # compiled only for batches that ask for alternatives
+    top = jax.lax.top_k(jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1), top_n)
+  return token_B, logprob_B, pool, top
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -68,12 +72,14 @@ class PagedEngine(Engine):
     num_blocks = max_batch * self.max_blocks if num_blocks is None else num_blocks
     self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
     self.scheduler = Scheduler(self.blocks, max_batch, token_budget, prefill_chunk)
-    self.pool = paged.init_pool(model.cfg, num_blocks + 1, block_size, kv_dtype)
+    self._pool_args = (model.cfg, num_blocks + 1, block_size, kv_dtype)
+    self.pool = paged.init_pool(*self._pool_args)
     self.page_bytes = paged.page_bytes(model.cfg, block_size, kv_dtype)
     self.cache_bytes = (num_blocks + 1) * self.page_bytes  # the whole pool, null page included
     self._next_id = 0
     self.sequences: dict[int, Sequence] = {}
     self._streams: dict[int, collections.deque] = {}
+    self._compiled: dict[tuple[int, int, int], object] = {}  # precompile()'s executables
 
   # ---- driving it one step at a time ----
 
@@ -103,17 +109,42 @@ class PagedEngine(Engine):
       raise ValueError(f"request {rid} has not finished")
     return self.sequences.pop(rid).request.result()
 
+  def abort(self, rid: int) -> None:
+    """Drops a request, finished or not (its client went away): its KV blocks are freed now."""
+    seq = self.sequences.pop(rid, None)
+    self._streams.pop(rid, None)
+    if seq is not None and not seq.request.done:
+      self.scheduler.abort(seq)
+
   @property
   def has_work(self) -> bool:
     return self.scheduler.has_work
+
+  def reset(self) -> None:
+    """Drops every request and builds a fresh KV pool (after a step failed part way, its
+    donated pool may be gone); the engine then serves new requests as before."""
+    for rid in list(self.sequences):
+      self.abort(rid)
+    b = self.blocks
+    self.blocks = BlockManager(b.num_blocks, b.block_size, b.prefix_caching)
+    s = self.scheduler
+    self.scheduler = Scheduler(self.blocks, s.max_batch, s.token_budget, s.prefill_chunk)
+    self.scheduler.counters = s.counters
+    self.pool = paged.init_pool(*self._pool_args)
 
   def step(self) -> list[tuple[int, Token]]:
     """Runs one scheduled step; returns the tokens it produced as (request id, Token)."""
     work = self.scheduler.schedule()
     decodes = [(s, n) for s, n in work.chunks if n == 1]
-    prefills = [(s, n) for s, n in work.chunks if n > 1]
+    # Prefill chunks padded to one length: a group per power-of-two length keeps the padding
+    # (computed like real tokens) under half of each call.
+    by_length = collections.defaultdict(list)
+    for s, n in work.chunks:
+      if n > 1:
+        by_length[_pow2(n, 16)].append((s, n))
+    groups = [(g, _pow2(len(g))) for _, g in sorted(by_length.items())]
     events = []
-    for group, rows in ((prefills, _pow2(len(prefills))), (decodes, self.max_batch)):
+    for group, rows in groups + [(decodes, self.max_batch)]:
       if group:
         events += self._run_group(group, rows)
     for rid, token in events:
@@ -121,11 +152,39 @@ class PagedEngine(Engine):
         self._streams[rid].append(token)
     return events
 
+  def step_shapes(self) -> list[tuple[int, int, int]]:
+    """Every (rows, tokens, table width) a step can run: prefill groups (rows and chunk length
+    in powers of two) and the decode batch (block-table widths in powers of two)."""
+    shapes = []
+    t = 16
+    while True:
+      shapes += [(1 << i, t, self.max_blocks) for i in range(_pow2(self.max_batch).bit_length())]
+      if t >= min(self.scheduler.prefill_chunk, self.max_seq_len):
+        break
+      t *= 2
+    widths = sorted({min(_pow2(n, 4), self.max_blocks) for n in range(1, self.max_blocks + 1)})
+    return shapes + [(self.max_batch, 1, w) for w in widths]
+
+  def precompile(self) -> int:
+    """Compiles every step shape ahead of traffic (a server's warm-up), so that no request
+    waits for XLA mid-stream; returns how many shapes. Steps with top-logprobs still compile
+    on first use."""
+    for rows, t, width in self.step_shapes():
+      if (rows, t, width) in self._compiled:
+        continue
+      zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+      args = (zeros(rows, t), zeros(rows, t), zeros(rows), zeros(rows, width),
+              zeros(rows, self.vocab_size, dtype=bool), RowParams.stack([SamplingParams()] * rows),
+              zeros(rows))
+      self._compiled[(rows, t, width)] = _step.lower(
+          self.graphdef, self.state, self.pool, *args, top_n=0).compile()
+    return len(self._compiled)
+
   def counters(self) -> dict:
     """Running/waiting/preempted requests, blocks used, prefix-cache hits, and more."""
     c, b = self.scheduler.counters, self.blocks
     return dict(running=c.running, waiting=c.waiting, preemptions=c.preemptions,
-                admitted=c.admitted, finished=c.finished, steps=c.steps,
+                admitted=c.admitted, finished=c.finished, aborted=c.aborted, steps=c.steps,
                 prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
                 cached_prompt_tokens=c.cached_prompt_tokens, blocks_used=b.num_used,
                 blocks_free=b.num_free, blocks_total=b.num_blocks, blocks_peak=b.peak_used,
@@ -205,18 +264,28 @@ class PagedEngine(Engine):
       params[i] = seq.request.params
       if penalised:
         seen_BV[i, ids[:seq.num_computed + n]] = True
-    token_B, logprob_B, self.pool = _step(
-        self.graphdef, self.state, self.pool, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT),
-        jnp.asarray(start_B), jnp.asarray(table_BY),
-        jnp.asarray(seen_BV), RowParams.stack(params),
-        jnp.asarray(step_B))
+    top_n = MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0
+    args = (jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), jnp.asarray(start_B),
+            jnp.asarray(table_BY), jnp.asarray(seen_BV), RowParams.stack(params),
+            jnp.asarray(step_B))
+    compiled = self._compiled.get((rows, t, width)) if not top_n else None
+    if compiled is not None:
+      token_B, logprob_B, self.pool, top = compiled(self.state, self.pool, *args)
+    else:
+      token_B, logprob_B, self.pool, top = _step(self.graphdef, self.state, self.pool, *args,
+                                                 top_n=top_n)
     tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
+    if top is not None:
+      top_values, top_ids = np.asarray(top[0]), np.asarray(top[1])
     events = []
     for i, (seq, n) in enumerate(group):
       self.scheduler.computed(seq, n)
       if seq.remaining:
         continue  # mid-prompt: this chunk's sample is not a token of the output
-      token = seq.request.add(int(tokens[i]), float(logprobs[i]))
+      alternatives = None
+      if top is not None and seq.request.params.top_logprobs:
+        alternatives = list(zip(top_ids[i].tolist(), top_values[i].tolist()))
+      token = seq.request.add(int(tokens[i]), float(logprobs[i]), alternatives)
       if seq.first_token_time is None:
         seq.first_token_time = time.perf_counter()
       events.append((seq.rid, token))

@@ -22,6 +22,8 @@
                   (align/evals/cli.py)
   meshlm gate --baseline REPORT --candidate REPORT [--max-drop helpful=0.02,...]
                   (align/evals/gate.py; exits 1 on a regression)
+  meshlm serve --model PATH [--canary PATH --canary-weight 0.1] [--port 8000] [--api-key KEY]
+      (OpenAI-compatible server with a gray release: infer/server/, docs/serving.md)
 """
 
 import os
@@ -36,7 +38,7 @@ DELEGATED = {"plan": ("parallel.plan_cli", "main"), "quantize": ("infer.quant.cl
              "embed": ("infer.embed", "main"), "pairs": ("align.pairs", "main"),
              "review": ("align.review_server", "main"), "data": ("align.data_cli", "main"),
              "selfinstruct": ("align.selfinstruct", "main"), "eval": ("align.evals.cli", "main"),
-             "gate": ("align.evals.gate", "main")}
+             "gate": ("align.evals.gate", "main"), "serve": ("infer.server.cli", "main")}
 COMMANDS = TRAIN_COMMANDS + ("generate",) + tuple(DELEGATED)
 
 
