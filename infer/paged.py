@@ -205,7 +205,7 @@ def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY, scale):
 
 
 def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY, *,
-            all_logits=False):
+            all_logits=False, in_place: bool | None = None):
   """Appends a right-padded chunk to each row's pages: (logits, pool).
 
   Row b's chunk holds positions start_B[b].. of its sequence, its real tokens
@@ -222,7 +222,11 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   page_BT = jnp.where(real_BT > 0, jnp.take_along_axis(table_BY, block_BT, axis=1), NULL_PAGE)
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
   slot_BT = positions_BT % z
-  if pool.k_scale_LKWZ is None and not _uses_kernel(t, model.cfg):
+  if in_place is None:  # the per-layer write only where the TPU kernel or int8 needs it
+    in_place = pool.k_scale_LKWZ is None and not _uses_kernel(t, model.cfg)
+  if in_place and pool.k_scale_LKWZ is not None:
+    raise ValueError("an int8 pool is written per layer: in_place=True is for float pools")
+  if in_place:
     pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool)
     layers = jnp.arange(pool.k_LKWZH.shape[0])
     logits, (k_LBTKH, v_LBTKH) = model.decode(tokens_BT, positions_BT, real_BT, layers, pages,

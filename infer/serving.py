@@ -130,6 +130,7 @@ class PagedEngine(Engine):
     s = self.scheduler
     self.scheduler = Scheduler(self.blocks, s.max_batch, s.token_budget, s.prefill_chunk)
     self.scheduler.counters = s.counters
+    self.pool = None  # the old pool (if a failed step left it) goes before the new one comes
     self.pool = paged.init_pool(*self._pool_args)
 
   def step(self) -> list[tuple[int, Token]]:

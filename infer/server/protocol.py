@@ -21,7 +21,8 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-           "top_k", "min_p", "repetition_penalty", "ignore_eos"}
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "store", "metadata",
+           "service_tier"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                          "response_format", "tools", "tool_choice", "parallel_tool_calls"}
@@ -196,6 +197,9 @@ def parse(body, kind: str, *, max_tokens_limit: int) -> GenRequest:
   for name in ("presence_penalty", "frequency_penalty"):
     _unsupported(body, name, (0, 0.0, None), "only 0")
   _unsupported(body, "logit_bias", (None, {}), "only empty")
+  _unsupported(body, "store", (None, False), "nothing is stored")
+  _unsupported(body, "metadata", (None, {}), "nothing is stored")
+  _unsupported(body, "service_tier", (None, "auto", "default"), "one tier")
   if kind == "completion":
     _unsupported(body, "echo", (False, None), "only false")
     _unsupported(body, "suffix", (None, ""), "only empty")

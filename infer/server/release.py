@@ -6,7 +6,7 @@ same version. Anonymous requests are spread by a counter: request i goes to the
 canary when floor((i + 1) w) > floor(i w), exactly a share w of them.
 
 Each version keeps sliding windows (the last `window_s` seconds) of: errors (a
-failed generation, not a client's bad request), latency per output token,
+failed generation, not a client's bad request), time per output token after the first,
 refusals of sampled responses (the harmlessness refusal classifier,
 align/evals/refusal.py) and, with a judge, reward-model scores. When both versions
 have `min_samples` in a window and the canary is worse than stable by more than a
@@ -25,7 +25,7 @@ import time
 
 log = logging.getLogger("meshlm.serve")
 
-MONITORS = ("error_rate", "latency_per_token_s", "refusal_rate", "judge_score")
+MONITORS = ("error_rate", "tpot_s", "refusal_rate", "judge_score")
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ class ReleaseConfig:
   min_samples: int = 20             # per version and monitor, in the window, before judging
   max_error_rate_delta: float = 0.05
   max_refusal_rate_delta: float = 0.2
-  max_latency_ratio: float = 3.0    # canary latency per token / stable's
+  max_latency_ratio: float = 3.0    # canary time per output token / stable's
   max_judge_delta: float = 0.5      # stable's mean reward - canary's
   refusal_sample_rate: float = 1.0  # share of responses scored by the refusal classifier
   judge_sample_rate: float = 0.1
@@ -63,7 +63,9 @@ class Window:
     self.samples: collections.deque[tuple[float, float]] = collections.deque()
 
   def add(self, value: float, now: float | None = None) -> None:
-    self.samples.append((time.monotonic() if now is None else now, float(value)))
+    now = time.monotonic() if now is None else now
+    self.samples.append((now, float(value)))
+    self._trim(now)  # bounded memory whether or not anyone reads the window
 
   def _trim(self, now: float) -> None:
     while self.samples and self.samples[0][0] < now - self.seconds:
@@ -130,12 +132,12 @@ class Release:
 
   # ---- monitoring ----
 
-  def record(self, role: str, *, error: bool | None = None, latency_per_token: float | None = None,
+  def record(self, role: str, *, error: bool | None = None, tpot: float | None = None,
              refusal: bool | None = None, judge: float | None = None,
              now: float | None = None) -> None:
     with self._lock:
       m = self.monitors[role]
-      for name, value in (("error_rate", error), ("latency_per_token_s", latency_per_token),
+      for name, value in (("error_rate", error), ("tpot_s", tpot),
                           ("refusal_rate", refusal), ("judge_score", judge)):
         if value is not None:
           m.add(name, float(value), now)
@@ -154,7 +156,7 @@ class Release:
          f"exceeds stable's by more than {cfg.max_error_rate_delta}"),
         ("refusal_rate", lambda s, k: k - s > cfg.max_refusal_rate_delta,
          f"exceeds stable's by more than {cfg.max_refusal_rate_delta}"),
-        ("latency_per_token_s", lambda s, k: k > cfg.max_latency_ratio * s,
+        ("tpot_s", lambda s, k: k > cfg.max_latency_ratio * s,
          f"is more than {cfg.max_latency_ratio}x stable's"),
         ("judge_score", lambda s, k: s - k > cfg.max_judge_delta,
          f"is below stable's by more than {cfg.max_judge_delta}"),

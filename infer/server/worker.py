@@ -48,6 +48,7 @@ class EngineWorker:
     self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
     self.stats = engine.counters()
     self.steps_failed = 0
+    self.dead: str | None = None  # why the thread died, if it did
 
   @property
   def pending(self) -> int:
@@ -71,6 +72,10 @@ class EngineWorker:
              sink: asyncio.Queue) -> Generation:
     """Queues a request whose tokens go to `sink`; call from the event loop."""
     gen = Generation(asyncio.get_running_loop(), sink)
+    if not self.alive:  # fail fast: no thread will ever answer
+      gen.error = self.dead or "the engine is stopped"
+      gen._put(Token(-1, "", None, "error"))
+      return gen
     self._inbox.put(("add", gen, (prompt_ids, params)))
     return gen
 
@@ -80,7 +85,43 @@ class EngineWorker:
 
   # ---- the worker thread ----
 
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and self.dead is None
+
+  @property
+  def busy(self) -> bool:
+    """Requests still in the engine or on their way to it."""
+    return bool(self._live) or self.pending > 0 or self.engine.has_work
+
   def _run(self) -> None:
+    try:
+      self._loop()
+      reason = "the server is shutting down"
+    except BaseException as e:  # noqa: BLE001 -- whatever kills the thread, nobody may hang
+      log.exception("engine %s: the worker thread died", self.name)
+      self.dead = reason = f"the engine thread died: {type(e).__name__}: {str(e)[:200]}"
+    self._fail_all(reason)
+
+  def _fail_all(self, reason: str) -> None:
+    """Every live and queued request gets a final error token."""
+    gens = list(self._live.values())
+    self._live.clear()
+    try:
+      while True:
+        kind, gen, _ = self._inbox.get_nowait()
+        if kind == "add":
+          gens.append(gen)
+    except queue.Empty:
+      pass
+    for gen in gens:
+      gen.error = reason
+      try:
+        gen._put(Token(-1, "", None, "error"))
+      except RuntimeError:  # its event loop is closed: nobody is waiting
+        pass
+
+  def _loop(self) -> None:
     while not self._stop.is_set():
       try:
         # Idle: sleep until something arrives. Busy: take what is there and step.
@@ -95,9 +136,6 @@ class EngineWorker:
       if self.engine.has_work:
         self._step()
       self.stats = self.engine.counters()
-    for gen in list(self._live.values()):
-      gen.error = "the server is shutting down"
-      gen._put(Token(-1, "", None, "error"))
 
   def _handle(self, message) -> None:
     kind, gen, payload = message
