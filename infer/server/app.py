@@ -20,13 +20,13 @@ import json
 import logging
 import math
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from infer.server.metrics import CONTENT_TYPE_LATEST
 from infer.server.protocol import ApiError, bad
 
 log = logging.getLogger("meshlm.serve")
@@ -161,7 +161,7 @@ def build_app(server) -> Starlette:
     return json_response(server.release.describe())
 
   async def admin(request):
-    body = await read_json(request, server.max_body_bytes) if await _has_body(request) else {}
+    body = await read_json(request, server.max_body_bytes) if _has_body(request) else {}
     if not isinstance(body, dict):
       raise bad("the request body must be a JSON object")
     action = request.url.path.rsplit("/", 1)[1]
@@ -204,6 +204,6 @@ def build_app(server) -> Starlette:
   return Guard(app, server)
 
 
-async def _has_body(request: Request) -> bool:
+def _has_body(request: Request) -> bool:
   return request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
 

@@ -11,7 +11,6 @@ import time
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 from infer.server.release import MONITORS
 
