@@ -1,16 +1,28 @@
-"""Shared fixtures: a tiny training config over a slice of Tiny Shakespeare."""
+"""Shared fixtures: a tiny training config over a slice of Tiny Shakespeare, the environment
+of the processes tests start, and fixtures built once per test run."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
+from filelock import FileLock
 
 from experiments.quickstart import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
+
+# One XLA compilation cache for every test process and the processes they start: many tests
+# compile the same tiny programs (one CLI run after another), and on two cores compiling is
+# much of the suite's time. Keyed by the program, flags and JAX version, so reuse is exact;
+# JAX treats an unreadable entry as a miss.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"meshlm-tests-xla-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def tiny_config(steps: int = 6, **overrides):
@@ -54,6 +66,22 @@ def _release_compiled_programs():
   gc.collect()
 
 
+def build_once(tmp_path_factory, name: str, build) -> str:
+  """A directory `build(path)` fills once per test run, whichever pytest-xdist worker asks
+  first; the others wait for it and share it. A build that failed is redone by the next."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # shared by the run's workers
+  path = os.path.join(str(root), "shared-" + name)
+  with FileLock(path + ".lock"):
+    if not os.path.exists(os.path.join(path, ".built")):
+      shutil.rmtree(path, ignore_errors=True)
+      os.makedirs(path)
+      build(path)
+      open(os.path.join(path, ".built"), "w").close()
+  return path
+
+
 @pytest.fixture
 def shakespeare_slice(tmp_path):
   """The first ~40 KB of Tiny Shakespeare, as its own file."""
@@ -64,8 +92,22 @@ def shakespeare_slice(tmp_path):
   return str(path)
 
 
-EIGHT_DEVICES = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                     PYTHONPATH=REPO)
+# LLVM at -O0 in the processes tests start on fake devices (device_env): they compile tiny
+# models under many layouts, where LLVM's optimisation is over half of each compile and buys
+# nothing. Not in the test processes themselves, which also sample from SmolLM2: its
+# full-vocabulary sorts run ~3x slower at -O0. XLA's own passes (fusion, SPMD partitioning,
+# the HLO the golden tests read) run either way. Speed is measured by benchmarks/, not here.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def device_env(devices: int, **extra) -> dict:
+  """os.environ with `devices` fake CPU devices, for a process a test starts."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} " \
+          f"--xla_force_host_platform_device_count={devices}"
+  return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO, **extra)
+
+
+EIGHT_DEVICES = device_env(8)
 
 # Layouts checked on 8 fake devices (tests/test_parallel.py, tests/test_golden.py,
 # tests/test_moe_parallel.py). Layouts with `expert` train a tiny MoE model
@@ -95,8 +137,8 @@ def run_worker(name, *args, timeout=900, env=None):
 
 @pytest.fixture(scope="session")
 def layout_results(tmp_path_factory):
-  """Every layout in LAYOUTS, compiled and trained once per test session."""
-  path = str(tmp_path_factory.mktemp("layouts") / "layouts.json")
-  run_worker("layouts.py", path, *LAYOUTS)
-  with open(path) as f:
+  """Every layout in LAYOUTS, compiled and trained once per test run."""
+  path = build_once(tmp_path_factory, "layouts",
+                    lambda d: run_worker("layouts.py", os.path.join(d, "layouts.json"), *LAYOUTS))
+  with open(os.path.join(path, "layouts.json")) as f:
     return json.load(f)

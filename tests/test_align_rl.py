@@ -18,6 +18,7 @@ from align.ppo import KL_LEDGER, PPOTask
 from align.reward import RewardTask
 from align.rewards import make_scorer, reward_fn
 from align.rollout import Rollout, row_seeds
+from conftest import build_once
 from test_align_tasks import metrics, tiny
 from train.loop import train
 from train.optimizer import make_optimizer
@@ -34,13 +35,17 @@ def rl_config(section, steps=3, **overrides):
   return c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rm_workdir(tmp_path_factory):
-  """A reward model trained for two steps: a tokenizer for the others and an rm: reward."""
-  workdir = str(tmp_path_factory.mktemp("rm"))
-  config = tiny(steps=2)
-  train(config, workdir, task=RewardTask(config, workdir))
-  return workdir
+  """A reward model trained for two steps: a tokenizer for the others and an rm: reward.
+  Built once per test run (tests/test_judge.py and tests/test_pairs.py use it too)."""
+
+  def build(path):
+    workdir = os.path.join(path, "rm")
+    config = tiny(steps=2)
+    train(config, workdir, task=RewardTask(config, workdir))
+
+  return os.path.join(build_once(tmp_path_factory, "rm_workdir", build), "rm")
 
 
 def setup(task_cls, config, workdir):

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import EIGHT_DEVICES, run_worker
+from conftest import run_worker
 
 ARCHS = ["encoder", "encoder_decoder", "prefix_lm"]
 LAYOUTS = [
@@ -23,11 +23,6 @@ LAYOUTS = [
 # gradient is rounding noise (test_key_bias_gradient_is_rounding_noise), and AdamW turns
 # noise into full-size steps, so its values differ between layouts and say nothing.
 NO_GRADIENT = ("bk_KH",)
-# LLVM at -O0: compiling 15 train steps is most of this file's time, and -O0 halves it. XLA's
-# own passes (fusion, partitioning) still run; rounding may move by an ulp from -O2, for the
-# one-device baseline and the layouts alike.
-FAST_COMPILE = dict(EIGHT_DEVICES, XLA_FLAGS=EIGHT_DEVICES["XLA_FLAGS"]
-                    + " --xla_backend_optimization_level=0")
 # Per strategy: parameter name -> (dimension counted from the end, mesh axis that must split
 # it). Every parameter of that name (each stack, self- and cross-attention) is checked.
 MUST_SPLIT = {
@@ -45,7 +40,7 @@ MUST_SPLIT = {
 def arch_results(tmp_path_factory):
   """Every architecture under every layout, trained once per module."""
   path = str(tmp_path_factory.mktemp("arch_layouts") / "results.json")
-  run_worker("arch_layouts.py", path, *LAYOUTS, env=FAST_COMPILE)
+  run_worker("arch_layouts.py", path, *LAYOUTS)
   with open(path) as f:
     return json.load(f)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import REPO
+from conftest import REPO, device_env
 from train import exit_codes
 from train.workdir import load_trained
 
@@ -35,8 +35,7 @@ def _cmd(workdir, *extra):
 
 
 def _env(devices=1):
-  return dict(os.environ, PYTHONPATH=REPO,
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return device_env(devices)
 
 
 def _run(workdir, *extra, devices=1, timeout=300):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, device_env
 from parallel.distributed import detect
 
 # Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
@@ -33,8 +33,7 @@ def _free_port():
 
 
 def _launch(workdir, devices, extra=()):
-  env = dict(os.environ, PYTHONPATH=REPO,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env = device_env(devices)
   cmd = [sys.executable, "-m", "train.cli", "train", "--config", QUICKSTART,
          "--workdir", workdir, *TINY, *extra]
   return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,

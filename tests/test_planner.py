@@ -12,14 +12,13 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, device_env
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod
 from experiments.defaults import base_config
 from parallel import plan_cli
 from parallel.planner import GiB, Planner, pipeline_bubble
 
-EIGHT = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=REPO,
-             JAX_PLATFORMS="cpu")
+EIGHT = device_env(8, JAX_PLATFORMS="cpu")
 LAYOUTS = ["data_parallel:data=8", "fsdp:fsdp=8", "tensor:data=4,tensor=2",
            "fsdp+tensor:data=2,fsdp=2,tensor=2", "pipeline+fsdp:fsdp=4,pipeline=2"]
 POLICIES = ["none", "full"]
