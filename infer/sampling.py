@@ -23,6 +23,7 @@ from flax import nnx
 
 _BUCKET = 64
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+CANDIDATES = 1024  # logits lax.top_k gathers for the top-k/top-p thresholds (filtered_logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,25 +113,58 @@ def greedy_tokens(logits_BV, seen_BV, rows: RowParams) -> jax.Array:
   return jnp.argmax(penalised_logits(logits_BV, seen_BV, rows.penalty_B), axis=-1)
 
 
-def filtered_logits(logits_BV, seen_BV, rows: RowParams) -> jax.Array:
-  """The logits a row samples from: penalised, tempered, filtered tokens at -inf (float32)."""
+def _thresholds(sorted_BC, logits_BV, k_B, top_p_B):
+  """(kth_B1, nth_B1, complete_B): the top-k and top-p thresholds read off the C largest
+  logits `sorted_BC` (descending), and whether those C were enough to place them."""
+  c, v = sorted_BC.shape[-1], logits_BV.shape[-1]
+  max_B1 = sorted_BC[:, :1]
+  kth_B1 = jnp.where((k_B == v)[:, None], jnp.min(logits_BV, axis=-1, keepdims=True),
+                     jnp.take_along_axis(sorted_BC, jnp.minimum(k_B, c)[:, None] - 1, axis=-1))
+  # The softmax over what top-k kept; its normaliser sums the whole vocabulary.
+  z_B1 = jnp.sum(jnp.where(logits_BV >= kth_B1, jnp.exp(logits_BV - max_B1), 0.0), axis=-1,
+                 keepdims=True)
+  in_top_k_BC = sorted_BC >= kth_B1
+  probs_BC = jnp.where(in_top_k_BC, jnp.exp(sorted_BC - max_B1), 0.0) / z_B1
+  # Keep a token while the mass before it is < top_p: the smallest set reaching top_p.
+  before_BC = jnp.cumsum(probs_BC, axis=-1) - probs_BC
+  keep_B = jnp.sum(in_top_k_BC & (before_BC < top_p_B[:, None]), axis=-1)
+  nth_B1 = jnp.take_along_axis(sorted_BC, jnp.maximum(keep_B, 1)[:, None] - 1, axis=-1)
+  nth_B1 = jnp.where((top_p_B >= 1)[:, None], kth_B1, nth_B1)  # a rounded cumsum must not cut
+  complete_B = ((k_B <= c) | (k_B == v)) & ((top_p_B >= 1) | (keep_B < c))
+  return kth_B1, nth_B1, complete_B
+
+
+def filtered_logits(logits_BV, seen_BV, rows: RowParams, candidates: int = CANDIDATES):
+  """The logits a row samples from: penalised, tempered, filtered tokens at -inf (float32).
+
+  Each filter is a threshold on the sorted logits (ties with the threshold are kept). Top-k
+  and top-p read theirs off the `candidates` largest logits (lax.top_k), and sort the whole
+  vocabulary only when a row's top-k or nucleus reaches past them: a sort of SmolLM2's 49k
+  logits costs several times the model's decode step on CPU.
+  """
   logits_BV = penalised_logits(logits_BV, seen_BV, rows.penalty_B)
   temperature_B1 = rows.temperature_B[:, None]
   logits_BV = logits_BV / jnp.where(temperature_B1 > 0, temperature_B1, 1.0)
-  # Each filter is a threshold on the sorted logits (ties with the threshold are kept).
-  sorted_BV = -jnp.sort(-logits_BV, axis=-1)
   v = logits_BV.shape[-1]
   k_B = jnp.where(rows.top_k_B > 0, jnp.minimum(rows.top_k_B, v), v)
-  kth_B1 = jnp.take_along_axis(sorted_BV, k_B[:, None] - 1, axis=-1)
-  in_top_k_BV = sorted_BV >= kth_B1
-  probs_BV = jax.nn.softmax(jnp.where(in_top_k_BV, sorted_BV, -jnp.inf), axis=-1)
-  # Keep a token while the mass before it is < top_p: the smallest set reaching top_p.
-  before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-  keep_B = jnp.sum(in_top_k_BV & (before_BV < rows.top_p_B[:, None]), axis=-1)
-  keep_B = jnp.where(rows.top_p_B >= 1, k_B, keep_B)  # rounding in the cumsum must not cut
-  nth_B1 = jnp.take_along_axis(sorted_BV, jnp.maximum(keep_B, 1)[:, None] - 1, axis=-1)
+
+  def by_sorting():
+    return _thresholds(-jnp.sort(-logits_BV, axis=-1), logits_BV, k_B, rows.top_p_B)[:2]
+
+  def by_candidates():
+    kth_B1, nth_B1, complete_B = _thresholds(jax.lax.top_k(logits_BV, candidates)[0],
+                                             logits_BV, k_B, rows.top_p_B)
+    return jax.lax.cond(jnp.all(complete_B), lambda: (kth_B1, nth_B1), by_sorting)
+
+  def unfiltered():  # no row has top-k or top-p: both thresholds are the smallest logit
+    min_B1 = jnp.min(logits_BV, axis=-1, keepdims=True)
+    return min_B1, min_B1
+
+  filtering = jnp.any((k_B < v) | (rows.top_p_B < 1))
+  kth_B1, nth_B1 = jax.lax.cond(filtering, by_candidates if candidates < v else by_sorting,
+                                unfiltered)
   # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); renormalising cannot change it.
-  min_B1 = sorted_BV[:, :1] + jnp.log(rows.min_p_B[:, None])
+  min_B1 = jnp.max(logits_BV, axis=-1, keepdims=True) + jnp.log(rows.min_p_B[:, None])
   keep_BV = (logits_BV >= kth_B1) & (logits_BV >= nth_B1) & (logits_BV >= min_B1)
   return jnp.where(keep_BV, logits_BV, -jnp.inf)
 

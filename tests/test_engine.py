@@ -4,12 +4,13 @@ import glob
 import importlib.util
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from infer import Engine, SamplingParams, generate
-from infer.sampling import RowParams, filtered_logits, sample
+from infer.sampling import RowParams, _thresholds, filtered_logits, sample
 from test_kv_cache import LOGPROB_TOL, CharTokenizer, tiny_model
 
 # Eight prompts of mixed lengths (1 to 37 tokens: prefill buckets 16, 32 and 64).
@@ -74,6 +75,44 @@ def test_top_p_top_k_and_min_p_thresholds():
   assert kept(min_p=0.5).tolist() == [False, True, True, False]  # p >= 0.225
   assert kept(min_p=0.4).tolist() == [True, True, True, False]   # p >= 0.18
   assert kept().tolist() == [True] * 4
+
+
+def test_thresholds_from_candidates_keep_what_a_full_sort_keeps():
+  """filtered_logits reads top-k and top-p off the `candidates` largest logits and sorts the
+  whole vocabulary only when a row reaches past them: the kept tokens are the same as with
+  every logit sorted, rows that fit and rows that do not mixed in one batch."""
+  rng = np.random.default_rng(0)
+  scale = np.array([[0.3], [1.0], [2.0], [4.0], [8.0], [1.0], [3.0], [0.5]])
+  logits = jnp.asarray(rng.normal(size=(8, 500)) * scale, jnp.float32)
+  logits = logits.at[3, :6].set(logits[3, 6])  # ties at a threshold
+  seen = jnp.asarray(rng.random((8, 500)) < 0.05)
+  mixes = [dict(top_p=0.9), dict(top_k=10), dict(top_k=40), dict(top_k=10, top_p=0.5),
+           dict(min_p=0.1, top_p=0.95), dict(), dict(top_p=0.3, repetition_penalty=1.3),
+           dict(top_k=500, top_p=0.99)]
+  filtered = jax.jit(filtered_logits, static_argnames="candidates")
+
+  def same_either_way(rows):
+    full = filtered(logits, seen, rows, candidates=500)
+    for candidates in (16, 64):
+      np.testing.assert_array_equal(filtered(logits, seen, rows, candidates=candidates), full)
+
+  for i in range(len(mixes)):  # each row gets a different mix, rotating per batch
+    same_either_way(RowParams.stack([SamplingParams(temperature=0.7 + 0.1 * r,
+                                                    **mixes[(i + r) % 8]) for r in range(8)]))
+  # A batch the 16 candidates place without a sort (top-k <= 16; row 4's nucleus is short),
+  # and one they do not (row 0 is flat: its nucleus is hundreds of tokens long).
+  fits = [SamplingParams(temperature=1.0, top_k=r + 1, top_p=0.5 if r == 4 else 1.0)
+          for r in range(8)]
+  flat = [SamplingParams(temperature=1.0, top_p=0.9)] + fits[1:]
+  for params, placed in ((fits, True), (flat, False)):
+    rows = RowParams.stack(params)
+    k_B = jnp.where(rows.top_k_B > 0, rows.top_k_B, 500)
+    _, _, complete_B = _thresholds(jax.lax.top_k(logits, 16)[0], logits, k_B, rows.top_p_B)
+    assert bool(jnp.all(complete_B)) == placed
+    same_either_way(rows)
+  # no row filters by top-k or top-p: neither top_k nor a sort runs
+  same_either_way(RowParams.stack([SamplingParams(temperature=1.0, min_p=0.05 * r)
+                                   for r in range(8)]))
 
 
 def test_repetition_penalty_changes_the_output(engine):
