@@ -172,10 +172,12 @@ class PairwiseJudge:
     p_N, mass_N = [], []
     for start in range(0, len(sequences), self.batch_size):
       chunk = sequences[start:start + self.batch_size]
-      # lengths rounded up to 128: few shapes to compile, little padding to compute
+      # lengths rounded up to 128 and rows to a power of two: few shapes to compile, little
+      # padding to compute (one prompt's two orders are 2 rows, not batch_size)
       t = min(-(-max(len(s) for s in chunk) // 128) * 128, self.max_len)
-      tokens = np.zeros((self.batch_size, t), np.int32)
-      last = np.zeros((self.batch_size,), np.int32)
+      rows = min(1 << (len(chunk) - 1).bit_length(), self.batch_size)
+      tokens = np.zeros((rows, t), np.int32)
+      last = np.zeros((rows,), np.int32)
       for i, s in enumerate(chunk):
         tokens[i, :len(s)], last[i] = s, len(s) - 1
       logp_BV = np.asarray(self._fn(self.graphdef, self.state, tokens, last))[:len(chunk)]

@@ -150,8 +150,7 @@ def load_pretrained_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.load(path)
   if _is_gguf(path):
     from models import gguf_io
-    from gguf import GGUFReader
-    return gguf_io.tokenizer_from_gguf(GGUFReader(path), path)
+    return gguf_io.tokenizer_from_gguf(gguf_io.FastGGUFReader(path), path)
   raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
 
 

@@ -222,3 +222,21 @@ def test_unsupported_architecture_is_named(tmp_path):
   write_synthetic_gguf(path, QT.F32, tied=True, arch="qwen2")
   with pytest.raises(ValueError, match="architecture 'qwen2'"):
     models.load_pretrained(str(path))
+
+
+def test_fast_reader_parses_exactly_what_gguf_reads(smollm):
+  """models.gguf_io.FastGGUFReader only slices the mapped file differently: every field,
+  part, type, offset and tensor of SmolLM2's file equals gguf's own GGUFReader's."""
+  from models.gguf_io import FastGGUFReader
+  slow, fast = gguf.GGUFReader(smollm[0]), FastGGUFReader(smollm[0])
+  assert list(slow.fields) == list(fast.fields)
+  for key, a in slow.fields.items():
+    b = fast.fields[key]
+    assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+    assert len(a.parts) == len(b.parts), key
+    for x, y in zip(a.parts, b.parts):
+      assert x.dtype == y.dtype and np.array_equal(x, y), key
+  assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in slow.tensors] == [
+      (t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in fast.tensors]
+  for a, b in zip(slow.tensors, fast.tensors):
+    assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
