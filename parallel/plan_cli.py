@@ -15,6 +15,12 @@ It also recommends a checkpoint interval (Young/Daly, sqrt(2 × checkpoint cost 
 job MTBF)) from --failures_per_device_day, --checkpoint_gbps per host and
 --devices_per_host, and a step time (--step_seconds, or model FLOPs at --mfu of
 --peak_tflops); `parallel.planner.checkpoint_recommendation` lists the assumptions.
+
+And a cost per token (`parallel.cost.cost_estimate`): step time = model FLOPs
+at --mfu of --peak_tflops + communication at --bandwidth_gbps between hosts and
+--intra_host_gbps inside one (less the --overlap fraction hidden under compute),
+tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
+--watts_per_device, --pue and --usd_per_kwh.
 """
 
 import json
@@ -24,9 +30,15 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from parallel.planner import GiB, Planner, checkpoint_recommendation
+from parallel.cost import comm_split, cost_estimate
+from parallel.planner import GiB, Planner, checkpoint_recommendation, step_flops
 
 _AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
+# Example figures, all flags: an H100 SXM (989 dense bf16 TFLOP/s, 700 W board power,
+# NVLink 4 450 GB/s per direction, one 400 Gb/s NIC = 50 GB/s per GPU between hosts).
+COST_DEFAULTS = dict(peak_tflops=989.0, mfu=0.4, bandwidth_gbps=50.0, intra_host_gbps=450.0,
+                     devices_per_host=8, overlap=0.0, price_per_device_hour=2.50,
+                     watts_per_device=700.0, usd_per_kwh=0.10, pue=1.0, step_seconds=0.0)
 
 
 def _factorizations(n: int, parts: int):
@@ -94,10 +106,12 @@ def _mesh_str(mesh) -> str:
 
 
 def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_=False,
-         top=10, do_suggest=True, checkpointing: dict | None = None) -> dict:
+         top=10, do_suggest=True, checkpointing: dict | None = None,
+         cost: dict | None = None) -> dict:
   """Everything `meshlm plan` prints, as one JSON-able dict.
 
-  `checkpointing`: keyword arguments of `checkpoint_recommendation` (defaults if None).
+  `checkpointing`: keyword arguments of `checkpoint_recommendation` (defaults if None);
+  `cost`: overrides of COST_DEFAULTS for `cost_estimate`.
   """
   planner = Planner(config)
   w = planner.work
@@ -110,6 +124,7 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
              moe=dict(num_experts=w.num_experts, top_k=w.top_k) if w.num_experts else None,
              estimate=est, budget_gb=budget_gb or None)
   out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
+  out["cost"] = plan_cost(planner, est, devices, **(cost or {}))
   if compile_:
     from parallel.aot import compare, compile_in_subprocess
     compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
@@ -120,6 +135,23 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
       out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
   if do_suggest:
     out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top)
+  return out
+
+
+def plan_cost(planner: Planner, est: dict, devices: int, **overrides) -> dict:
+  """`cost_estimate` for a planned layout: its FLOPs, tokens and bytes, COST_DEFAULTS' figures."""
+  unknown = sorted(set(overrides) - set(COST_DEFAULTS))
+  if unknown:
+    raise ValueError(f"unknown cost options {unknown}; known: {sorted(COST_DEFAULTS)}")
+  c = dict(COST_DEFAULTS, **overrides)
+  per_host = c.pop("devices_per_host")
+  if per_host < 1:
+    raise ValueError(f"--devices_per_host={per_host}: must be >= 1")
+  inter, intra = comm_split(est, per_host)
+  w = planner.work
+  out = cost_estimate(step_flops(w), w.batch_size * w.seq_len, inter, devices,
+                      intra_comm_bytes=intra, **c)
+  out["devices_per_host"] = per_host
   return out
 
 
@@ -160,6 +192,9 @@ def format_plan(p: dict, command: str = "") -> str:
   if p.get("checkpointing"):
     lines.append("")
     lines.extend(format_checkpointing(p["checkpointing"]))
+  if p.get("cost"):
+    lines.append("")
+    lines.extend(format_cost(p["cost"]))
   if "compiled" in p:
     lines.append("")
     if p["compiled"] is None:
@@ -216,6 +251,34 @@ def format_checkpointing(c: dict) -> list[str]:
       f"{c['config_waste']:.2%}"]
 
 
+def _count(n: float) -> str:
+  for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{n:.3g}"
+
+
+def format_cost(c: dict) -> list[str]:
+  step = f"step {c['estimated_step_seconds']:.2f} s"
+  if c["step_source"] == "given":
+    step = f"step {c['step_seconds']:.2f} s (given); estimate {c['estimated_step_seconds']:.2f} s"
+  return [
+      f"cost per token (assumed: {c['mfu']:.0%} MFU of {c['peak_tflops']:g} TFLOP/s per device; "
+      f"{c['bandwidth_gbps']:g} GB/s per device between hosts, {c['intra_host_gbps']:g} GB/s "
+      f"inside a host of {c['devices_per_host']}; {c['overlap']:.0%} of communication "
+      f"overlapped; ${c['price_per_device_hour']:.2f} per device-hour; "
+      f"{c['watts_per_device']:g} W per device x PUE {c['pue']:g} at ${c['usd_per_kwh']:.2f}/kWh)",
+      f"  {step} = compute {c['compute_seconds']:.2f} s ({c['step_flops']:.3g} FLOP) + "
+      f"communication {c['comm_seconds']:.2f} s ({c['comm_bytes'] / 1e9:.1f} GB between hosts, "
+      f"{c['intra_comm_bytes'] / 1e9:.1f} GB inside) - {c['hidden_seconds']:.2f} s overlapped",
+      f"  {c['tokens_per_step']:,} tokens/step: {_count(c['tokens_per_second'])} tokens/s, "
+      f"{_count(c['tokens_per_day'])} tokens/day on {c['devices']} devices",
+      f"  per 1M tokens: {c['device_hours_per_million_tokens']:.3g} device-hours, "
+      f"${c['device_usd_per_million_tokens']:.3g} devices + "
+      f"${c['energy_usd_per_million_tokens']:.3g} energy = ${c['usd_per_million_tokens']:.3g}; "
+      f"{c['kwh_per_million_tokens']:.3g} kWh"]
+
+
 def main(argv: list[str] | None = None) -> None:
   """`meshlm plan ARGS`: argv is everything after `plan`."""
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -243,6 +306,22 @@ def main(argv: list[str] | None = None) -> None:
   flags.DEFINE_float("mfu", 0.4, "assumed MFU for the step-time estimate", flag_values=fv)
   flags.DEFINE_float("peak_tflops", 989.0, "peak TFLOP/s per device for the step-time estimate "
                      "(989: H100 dense bf16)", flag_values=fv)
+  d = COST_DEFAULTS
+  flags.DEFINE_float("bandwidth_gbps", d["bandwidth_gbps"], "cost: link bandwidth per device "
+                     "between hosts, GB/s (50: one 400 Gb/s NIC per GPU)", flag_values=fv)
+  flags.DEFINE_float("intra_host_gbps", d["intra_host_gbps"], "cost: link bandwidth per device "
+                     "inside a host, GB/s (450: NVLink 4, one direction)", flag_values=fv)
+  flags.DEFINE_float("overlap", d["overlap"], "cost: fraction of communication hidden under "
+                     "compute (0: none, conservative; 1: step = max(compute, comm))",
+                     flag_values=fv)
+  flags.DEFINE_float("price_per_device_hour", d["price_per_device_hour"], "cost: $ per "
+                     "device-hour (an example; use your price)", flag_values=fv)
+  flags.DEFINE_float("watts_per_device", d["watts_per_device"], "cost: power per device, W "
+                     "(700: H100 SXM board power)", flag_values=fv)
+  flags.DEFINE_float("usd_per_kwh", d["usd_per_kwh"], "cost: energy price, $/kWh (0 when the "
+                     "device price includes power)", flag_values=fv)
+  flags.DEFINE_float("pue", d["pue"], "cost: power usage effectiveness (facility / device power)",
+                     flag_values=fv)
   try:
     fv(["meshlm"] + argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -259,9 +338,10 @@ def main(argv: list[str] | None = None) -> None:
                          devices_per_host=fv["devices_per_host"].value,
                          step_seconds=fv["step_seconds"].value, mfu=fv["mfu"].value,
                          peak_tflops=fv["peak_tflops"].value)
+    cost = {k: fv[k].value for k in COST_DEFAULTS}
     result = plan(fv["config"].value, fv["devices"].value, mesh, fv["sharding"].value,
                   fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value,
-                  checkpointing)
+                  checkpointing, cost)
   except ValueError as e:
     raise SystemExit(f"meshlm plan: error: {e}") from e
   if fv["json"].value:

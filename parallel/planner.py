@@ -440,3 +440,4 @@ def checkpoint_recommendation(planner: "Planner", estimate: dict, devices: int,
               interval_seconds=interval, interval_steps=max(1, round(interval / step_seconds)),
               waste=checkpoint_waste(interval, cost, mtbf), config_every=every,
               config_waste=checkpoint_waste(every * step_seconds, cost, mtbf))
+
