@@ -126,6 +126,14 @@ def plan_run(config: ConfigDict, workdir: str, before_write=None) -> Plan:
                       f"({config.init_from or 'config.model'}) has vocab_size "
                       f"{model_cfg.vocab_size}")
   check_task(config, model_cfg)  # again: init_from may have brought another architecture
+  if "float16" in (model_cfg.dtype, model_cfg.param_dtype):
+    # float16's 5-bit exponent underflows small gradients; training in it needs dynamic loss
+    # scaling, which meshlm does not do. bfloat16 has float32's range and needs none.
+    raise ConfigError(f"model.dtype={model_cfg.dtype!r}, model.param_dtype="
+                      f"{model_cfg.param_dtype!r}: training in float16 needs dynamic loss "
+                      "scaling, which meshlm does not implement; train with "
+                      "model.dtype='bfloat16' (float32 master weights and optimizer state) "
+                      "and serve in float16 if you like")
   if config.data.task == "mlm":
     from train.mlm_data import mask_id
     mask_id(tokenizer, model_cfg.vocab_size)  # raises, naming the fix, if no id fits
