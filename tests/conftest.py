@@ -100,11 +100,21 @@ def shakespeare_slice(tmp_path):
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
+# XLA's CPU runtime runs the fake devices' programs, and the independent collectives within
+# them, on one thread pool that by default has a thread per device. A collective blocks its
+# thread until every peer arrives, so when the devices reach independent collectives in
+# different orders, the blocked threads can leave none for the peers they wait on: CI saw
+# this end in XLA's 40 s rendezvous abort (tensor:data=2,tensor=4, seven of eight threads
+# blocked in all-reduces). Four threads per device leave room; idle threads cost nothing.
+THREADS_PER_DEVICE = 4
+
+
 def device_env(devices: int, **extra) -> dict:
   """os.environ with `devices` fake CPU devices, for a process a test starts."""
   flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} " \
           f"--xla_force_host_platform_device_count={devices}"
-  return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO, **extra)
+  return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=REPO,
+              PJRT_NPROC=str(THREADS_PER_DEVICE * devices), **extra)
 
 
 EIGHT_DEVICES = device_env(8)
