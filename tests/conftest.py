@@ -24,10 +24,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"meshlm-tests-xla-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # glibc maps each of XLA:CPU's large per-step temporaries (logits over a 49k vocabulary and
-# their gradients) afresh, so every step faults them in 4 KiB at a time: a third of a tiny
-# SmolLM2-vocabulary model's step time went to the kernel. With this tunable glibc asks for
-# transparent huge pages instead (README, "Speed on CPU"). Read at process start, so it
-# reaches the processes tests start, pytest-xdist's workers included, not this one.
+# their gradients) afresh, so every step faults them in 4 KiB at a time: for a tiny
+# SmolLM2-vocabulary model, 30% of the CPU time went to the kernel. With this tunable glibc
+# asks for transparent huge pages instead (README, "Speed on CPU"). Read at process start,
+# so it reaches the processes tests start, pytest-xdist's workers included, not this one.
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 
