@@ -52,9 +52,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
-
-from benchmarks.common import constant_lr_step, cpu_count, log  # noqa: E402
+from benchmarks.common import (constant_lr_step, cpu_count, log,  # noqa: E402
+                               token_step_runner)
 
 ROWS = ("train", "attention", "moe", "decode", "speculative", "quant")
 PRICE_PER_DEVICE_HOUR = 2.50  # an example on-demand price in $; pass your own
@@ -199,15 +198,10 @@ def train_model(name, spec, sz, peak, platform_name, seed):
   cfg = model_config(spec, sz["seq"], sz["dtype"])
   step_fn, state, batch_sharding, mesh, layout = constant_lr_step(
       cfg, tt.optimizer_hparams(), len(tokens), seed)
-  ones = np.ones((spec["batch"], sz["seq"]), np.int32)
-  positions = np.broadcast_to(np.arange(sz["seq"], dtype=np.int32), ones.shape)
+  step = token_step_runner(step_fn, state, batch_sharding, spec["batch"], sz["seq"])
 
   def run_step(toks):
-    nonlocal state
-    batch = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": ones,
-                            "positions": positions}, batch_sharding)
-    state, metrics = step_fn(state, batch)
-    return float(jax.block_until_ready(metrics["loss"]))
+    return float(jax.block_until_ready(step(toks)["loss"]))
 
   sampler = PowerSampler(platform_name, jax.local_device_count())
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):

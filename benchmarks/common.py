@@ -40,3 +40,25 @@ def constant_lr_step(cfg, hp: dict, total_steps: int, seed: int):
     batch_sharding = NamedSharding(mesh, parallel.logical_to_spec(parallel.BATCH_AXES, mesh=mesh))
     step_fn = jit_train_step(graphdef, tx, schedule, shardings, batch_sharding)
   return step_fn, state, batch_sharding, mesh, layout
+
+
+def token_step_runner(step_fn, state, batch_sharding, batch: int, seq: int):
+  """run_step(tokens_BT1) -> the step's metrics (on device), advancing the donated state.
+
+  tokens_BT1 is [batch, seq + 1] ids; every row is one document. The host->device copy
+  stays inside the step, as in train/loop.py.
+  """
+  import jax
+  import numpy as np
+
+  ones = np.ones((batch, seq), np.int32)
+  positions = np.broadcast_to(np.arange(seq, dtype=np.int32), ones.shape)
+
+  def run_step(toks):
+    nonlocal state
+    batch_ = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:],
+                             "segment_ids": ones, "positions": positions}, batch_sharding)
+    state, metrics = step_fn(state, batch_)
+    return metrics
+
+  return run_step

@@ -55,7 +55,8 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import constant_lr_step, cpu_count, log  # noqa: E402
+from benchmarks.common import (constant_lr_step, cpu_count, log,  # noqa: E402
+                               token_step_runner)
 
 TARGET = 1.5  # the target: dropless step time <= 1.5 x dense, equal active params
 VARIANTS = ("dense", "dropless", "dropless_ragged_dot", "capacity")
@@ -130,16 +131,11 @@ def build(cfg, args, total_steps):
   o = base_config().optimizer
   hp = {k: float(o[k]) for k in ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm")}
   step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, total_steps, args.seed)
-  ones = np.ones((args.batch, args.seq_len), np.int32)
-  positions = np.broadcast_to(np.arange(args.seq_len, dtype=np.int32), ones.shape)
+  step = token_step_runner(step_fn, state, batch_sharding, args.batch, args.seq_len)
 
   def run_step(toks):
-    nonlocal state
     with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
-      batch = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:],
-                              "segment_ids": ones, "positions": positions}, batch_sharding)
-      state, metrics = step_fn(state, batch)
-      return jax.device_get(metrics)  # waits for the step
+      return jax.device_get(step(toks))  # waits for the step
 
   return run_step
 

@@ -35,7 +35,8 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import constant_lr_step, cpu_count, log  # noqa: E402
+from benchmarks.common import (constant_lr_step, cpu_count, log,  # noqa: E402
+                               token_step_runner)
 
 TARGET_RATIO = 1.3  # meshlm tokens/s over transformers tokens/s
 
@@ -123,17 +124,10 @@ def bench_meshlm(args, tokens, hp):
                     dtype=args.dtype, scan_layers=not args.unroll_layers)
   # A constant lr, like torch's.
   step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, len(tokens), args.seed)
-
-  ones = np.ones((args.batch, args.seq), np.int32)
-  positions = np.broadcast_to(np.arange(args.seq, dtype=np.int32), ones.shape)
+  step = token_step_runner(step_fn, state, batch_sharding, args.batch, args.seq)
 
   def run_step(toks):
-    nonlocal state
-    # The host->device copy stays inside the timed step, as in train/loop.py.
-    batch = jax.device_put({"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": ones,
-                            "positions": positions}, batch_sharding)
-    state, metrics = step_fn(state, batch)
-    return float(jax.block_until_ready(metrics["loss"]))
+    return float(jax.block_until_ready(step(toks)["loss"]))
 
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
     times, cpu, losses = time_steps(run_step, tokens, args.warmup)
