@@ -26,7 +26,7 @@ STEPS = 20
 TOLERANCE = 0.02
 
 
-def _quickstart(dtype: str, tmp_path) -> list[dict]:
+def _quickstart(dtype: str, tmp_path) -> tuple[list[dict], dict]:
   config = get_config()  # the quickstart model: d_model 128, 4 layers, sequences of 128
   config.batch_size = 4  # of 16: bfloat16 matmuls are slow on CPU
   config.steps = STEPS
