@@ -55,9 +55,8 @@ def compiled_bytes(compiled) -> dict:
   ma = compiled.memory_analysis()
   if ma is None:
     return {"memory_bytes": None, "temp_bytes": None}
-  total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-           - ma.alias_size_in_bytes)
-  return {"memory_bytes": int(total), "temp_bytes": int(ma.temp_size_in_bytes)}
+  from parallel.aot import peak_bytes
+  return {"memory_bytes": int(peak_bytes(ma)), "temp_bytes": int(ma.temp_size_in_bytes)}
 
 
 def _median_time(fn, args, repeats: int) -> float:

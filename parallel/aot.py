@@ -66,10 +66,16 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
   counts = {k: len(re.findall(rf"\s{k}(-start)?\(", hlo)) for k in COLLECTIVES}
   return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
               alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
-              peak=m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-              + m.temp_size_in_bytes,
+              peak=peak_bytes(m),
               devices=len(jax.devices()), compile_seconds=round(seconds, 2),
               collectives={k: v for k, v in counts.items() if v})
+
+
+def peak_bytes(m) -> int:
+  """One executable's bytes at once, from its memory_analysis(): arguments, outputs (less
+  those aliased to donated arguments) and temporaries."""
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
 
 
 def abstract_batch(config, model_cfg) -> dict:
