@@ -129,7 +129,8 @@ def write_rows(buf_BS, new_BT, index_B):
 
 
 def write_layers(buf_LBSKH, new_LBTKH, index_B):
-  """write_rows for every layer at once (the scan's outputs into the donated cache)."""
+  """write_rows for every layer at once (the scan's outputs into the donated cache). The
+  caller keeps index + T <= S (see `forward`); a slot past S would be dropped, not clamped."""
   b, t = new_LBTKH.shape[1:3]
   slots_BT = index_B[:, None] + jnp.arange(t, dtype=index_B.dtype)[None, :]
   rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -219,13 +220,12 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
                  cache if in_place else None)
   layers = jnp.arange(cache.k_LBSKH.shape[0]) if in_place else cache.layers
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
-  logits, (k_LBSKH, v_LBSKH, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers,
-                                                     slots, last_B)
-  if in_place:  # the chunk's keys and values, k_LBTKH, into the donated cache
-    k_LBSKH = write_layers(cache.k_LBSKH, k_LBSKH, index_B)
-    v_LBSKH = write_layers(cache.v_LBSKH, v_LBSKH, index_B)
+  # k, v: the updated cache (k_LBSKH), or in place only the chunk's keys and values (k_LBTKH)
+  logits, (k, v, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers, slots, last_B)
+  if in_place:
+    k, v = write_layers(cache.k_LBSKH, k, index_B), write_layers(cache.v_LBSKH, v, index_B)
   scales = scales or [None, None]
-  return logits, constrain_cache(KVCache(k_LBSKH, v_LBSKH, slots.segment_ids_BS,
+  return logits, constrain_cache(KVCache(k, v, slots.segment_ids_BS,
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
 
 
