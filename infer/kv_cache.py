@@ -128,12 +128,10 @@ def write_rows(buf_BS, new_BT, index_B):
   return jax.vmap(write)(buf_BS, new_BT, index_B)
 
 
-def write_layers(buf_LBSKH, new_LBTKH, index_B):
-  """write_rows for every layer at once (the scan's outputs into the donated cache). The
-  caller keeps index + T <= S (see `forward`); a slot past S would be dropped, not clamped."""
-  b, t = new_LBTKH.shape[1:3]
-  slots_BT = index_B[:, None] + jnp.arange(t, dtype=index_B.dtype)[None, :]
-  rows_BT = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+def write_layers(buf_LBSKH, new_LBTKH, slots_BT):
+  """buf_LBSKH with every layer's chunk at row b's slots slots_BT[b] (the scan's outputs into
+  the donated cache). The caller keeps the slots < S (see `forward`); one past it is dropped."""
+  rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None], slots_BT.shape)
   return buf_LBSKH.at[:, rows_BT, slots_BT].set(new_LBTKH.astype(buf_LBSKH.dtype),
                                                 unique_indices=True, mode="drop")
 
@@ -150,25 +148,19 @@ class _Slots:
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
     """`bias_fn`: a relative position bias (T5), computed from the query and slot positions."""
-    if self.cache is not None:
-      layer, names = layer_cache, KV_AXES[1:]
-      k_BSKH = constrain(write_rows(self.cache.k_LBSKH[layer],
-                                    k_BTKH.astype(self.cache.k_LBSKH.dtype), self.index_B), names)
-      v_BSKH = constrain(write_rows(self.cache.v_LBSKH[layer],
-                                    v_BTKH.astype(self.cache.v_LBSKH.dtype), self.index_B), names)
-      out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
-                                 bias_fn)
-      return out_BTNH, (k_BTKH, v_BTKH)
-    if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 cache
+    if self.cache is None and len(layer_cache) == 4:  # (k, v, k_scale, v_scale): int8
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                segment_ids_BT, cfg, bias_fn)
+    if self.cache is not None:  # layer_cache is the layer: read its slice of the cache
+      layer_cache = (self.cache.k_LBSKH[layer_cache], self.cache.v_LBSKH[layer_cache])
     k_BSKH, v_BSKH = layer_cache
     names = KV_AXES[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B), names)
     out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
                                bias_fn)
-    return out_BTNH, (k_BSKH, v_BSKH)
+    # In place only the chunk leaves the scan; otherwise the layer's whole updated slice.
+    return out_BTNH, ((k_BTKH, v_BTKH) if self.cache is not None else (k_BSKH, v_BSKH))
 
   def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
                    bias_fn=None):
@@ -223,7 +215,9 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   # k, v: the updated cache (k_LBSKH), or in place only the chunk's keys and values (k_LBTKH)
   logits, (k, v, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers, slots, last_B)
   if in_place:
-    k, v = write_layers(cache.k_LBSKH, k, index_B), write_layers(cache.v_LBSKH, v, index_B)
+    # a real token's slot is its position
+    k, v = (write_layers(cache.k_LBSKH, k, positions_BT),
+            write_layers(cache.v_LBSKH, v, positions_BT))
   scales = scales or [None, None]
   return logits, constrain_cache(KVCache(k, v, slots.segment_ids_BS,
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
