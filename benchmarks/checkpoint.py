@@ -52,6 +52,8 @@ def parse_args(argv=None):
   p.add_argument("--vocab", type=int, default=4096)
   p.add_argument("--modes", default="async,sync", help="comma-separated: async, sync")
   p.add_argument("--dir", default=None, help="parent of the temporary checkpoint directory")
+  p.add_argument("--compress", action="store_true",
+                 help="zstd-compressed arrays (train config checkpoint_compression=True)")
   args = p.parse_args(argv)
   if args.every < 1 or args.periods < 1:
     p.error("--every and --periods must be >= 1")
@@ -104,7 +106,7 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
   # A real grain iterator: its position is part of every checkpoint, as in train/loop.py.
   data_iter = iter(grain.MapDataset.range(10 ** 9).to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
-  ckpt = Checkpointer(directory, keep=2, async_save=mode == "async")
+  ckpt = Checkpointer(directory, keep=2, async_save=mode == "async", compress=args.compress)
   step_times, plain, saving, blocking, drain = [], [], [], [], []
   saved = [0]
 
@@ -201,7 +203,7 @@ def main(argv=None):
                  "kv_heads": args.kv_heads, "mlp": args.mlp, "vocab": args.vocab,
                  "batch": args.batch, "seq": args.seq, "tie_embeddings": False,
                  "optimizer": "adamw", "num_params": cfg.num_params()},
-      "checkpoint_every": args.every, "periods": args.periods,
+      "checkpoint_every": args.every, "periods": args.periods, "compressed": args.compress,
       "state_bytes": total, "param_bytes": params,
       "env": {"jax": jax.__version__, "orbax": ocp.__version__, "python": platform.python_version(),
               "device_kind": jax.devices()[0].device_kind, "cpu_count": os.cpu_count(),

@@ -56,7 +56,7 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   step_fn = make_step()
 
   ckpt = Checkpointer(workdir, config.keep_checkpoints, config.async_checkpoints,
-                      config.keep_checkpoint_every)
+                      config.keep_checkpoint_every, config.checkpoint_compression)
   goodput.add("startup", time.perf_counter() - started)
   if ckpt.latest_step() is not None:
     t = time.perf_counter()
