@@ -87,6 +87,26 @@ def test_checkpoint_round_trip_restores_identical_state(tmp_path, shakespeare_sl
     np.testing.assert_array_equal(expected_next[k], got_next[k])
 
 
+def test_checkpoint_compression_is_an_option_and_either_form_restores(tmp_path):
+  """Uncompressed by default; compress=True writes zstd, which a default Checkpointer reads."""
+  import grain
+  state = {"w_DF": jnp.zeros((64, 1024)), "b_F": jnp.arange(1024.0)}
+  data = lambda: iter(grain.MapDataset.range(10).to_iter_dataset())
+  sizes = {}
+  for compress in (False, True):
+    ckpt = Checkpointer(str(tmp_path / f"zstd_{compress}"), keep=1, compress=compress)
+    ckpt.save(1, state, data(), force=True)
+    ckpt.close()
+    sizes[compress] = sum(os.path.getsize(os.path.join(d, f))
+                          for d, _, files in os.walk(ckpt.directory) for f in files)
+    restored, _ = Checkpointer(str(tmp_path / f"zstd_{compress}"), keep=1).restore(
+        jax.tree.map(jnp.zeros_like, state), data())
+    for a, b in zip(_leaves(state), _leaves(restored)):
+      np.testing.assert_array_equal(a, b)
+  # 256 KB of zeros: stored as they are, or compressed to almost nothing
+  assert sizes[False] > 256 * 1024 > 4 * sizes[True], sizes
+
+
 def test_resume_is_exact(tmp_path, shakespeare_slice):
   """6 steps straight == 3 steps, stop, then resume to 6: same params, same logged losses."""
   config = tiny_config(steps=6, **{"data.path": shakespeare_slice})
