@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -108,6 +109,7 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
   ckpt = Checkpointer(directory, keep=2, async_save=mode == "async", compress=args.compress)
   step_times, plain, saving, blocking, drain = [], [], [], [], []
+  plain_cpu, saving_cpu = [], []
   saved = [0]
 
   def steps(n):
@@ -130,16 +132,18 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
   step_times.clear()
   blocking.clear()
   for _ in range(args.periods):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), cpu_seconds()
     steps(args.every)
     plain.append(time.perf_counter() - t)
-    t = time.perf_counter()
+    plain_cpu.append(cpu_seconds() - c)
+    t, c = time.perf_counter(), cpu_seconds()
     save()
     steps(args.every)
     w = time.perf_counter()
     ckpt.wait()
     drain.append(time.perf_counter() - w)
     saving.append(time.perf_counter() - t)
+    saving_cpu.append(cpu_seconds() - c)
   ckpt.close()
   jax.block_until_ready(state)
   plain_step = statistics.fmean(plain) / args.every
@@ -164,11 +168,20 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
       "blocking_overhead_fraction": statistics.fmean(blocking) / statistics.fmean(plain),
       "drain_after_period_mean_s": statistics.fmean(drain),
       "overhead_seconds_per_checkpoint": overhead * statistics.fmean(plain),
+      # This process's CPU time (all threads) a save adds to its period: the write's own cost
+      # plus whatever the step loses to sharing cores with it.
+      "process_cpu_per_checkpoint_s": statistics.fmean(saving_cpu) - statistics.fmean(plain_cpu),
+      "process_cpu_period_no_checkpoint_s": statistics.fmean(plain_cpu),
       "saves": len(blocking), "steps_timed": len(step_times),
   }
   log(f"{mode}: plain step {plain_step * 1e3:.0f} ms, save call {stats['save_blocking_mean_s']:.3f}"
       f" s, overhead {overhead:+.1%} of a step at a checkpoint every {args.every} steps")
   return stats, state
+
+
+def cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
 
 
 def state_bytes(state):

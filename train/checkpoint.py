@@ -23,10 +23,10 @@ class Checkpointer:
     """Keeps the newest `keep` checkpoints, plus every step divisible by `keep_every` (if > 0).
 
     `compress` zstd-compresses the arrays. It is off by default: on float
-    weights and AdamW moments it saves about a fifth of the bytes, while the
-    process spent ~1.2 CPU-s per 121 MB save against ~0.3 s uncompressed
-    (benchmarks/checkpoint.py). When the step runs on the host's cores, as
-    on CPU, that time is taken from the training step.
+    weights and AdamW moments it saves about a fifth of the bytes, and on a
+    2-core CPU host, where the write shares cores with the training step, the
+    async overhead was 15.1% of a step compressed against 12.1% uncompressed
+    (benchmarks/checkpoint.py, seven paired runs; docs/results.md).
     """
     if keep <= 0 or keep_every < 0:
       raise ValueError(f"keep_checkpoints must be positive and keep_checkpoint_every >= 0, "
