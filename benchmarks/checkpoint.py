@@ -1,6 +1,7 @@
 """Step-time overhead of asynchronous vs synchronous checkpoints (train/checkpoint.py).
 
     python benchmarks/checkpoint.py --json                        # ~10M params, ~120 MB state
+    python benchmarks/checkpoint.py --json --compress             # zstd-compressed arrays
     python benchmarks/checkpoint.py --d-model 32 --layers 1 --vocab 128 --periods 1   # smoke
 
 For each mode (Checkpointer(async_save=True/False)) the real jitted train step

@@ -99,8 +99,9 @@ def test_checkpoint_compression_is_an_option_and_either_form_restores(tmp_path):
     ckpt.close()
     sizes[compress] = sum(os.path.getsize(os.path.join(d, f))
                           for d, _, files in os.walk(ckpt.directory) for f in files)
-    restored, _ = Checkpointer(str(tmp_path / f"zstd_{compress}"), keep=1).restore(
-        jax.tree.map(jnp.zeros_like, state), data())
+    reader = Checkpointer(str(tmp_path / f"zstd_{compress}"), keep=1)
+    restored, _ = reader.restore(jax.tree.map(jnp.zeros_like, state), data())
+    reader.close()
     for a, b in zip(_leaves(state), _leaves(restored)):
       np.testing.assert_array_equal(a, b)
   # 256 KB of zeros: stored as they are, or compressed to almost nothing
