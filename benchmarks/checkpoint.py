@@ -146,6 +146,9 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
     saving.append(time.perf_counter() - t)
     saving_cpu.append(cpu_seconds() - c)
   ckpt.close()
+  newest = os.path.join(ckpt.directory, str(saved[0]))
+  on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(newest)
+                for f in files)
   jax.block_until_ready(state)
   plain_step = statistics.fmean(plain) / args.every
   saving_steps = [s for i, s in enumerate(step_times) if (i // args.every) % 2 == 1]
@@ -173,6 +176,7 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
       # plus whatever the step loses to sharing cores with it.
       "process_cpu_per_checkpoint_s": statistics.fmean(saving_cpu) - statistics.fmean(plain_cpu),
       "process_cpu_period_no_checkpoint_s": statistics.fmean(plain_cpu),
+      "checkpoint_bytes_on_disk": on_disk,
       "saves": len(blocking), "steps_timed": len(step_times),
   }
   log(f"{mode}: plain step {plain_step * 1e3:.0f} ms, save call {stats['save_blocking_mean_s']:.3f}"

@@ -23,7 +23,7 @@ class Checkpointer:
     """Keeps the newest `keep` checkpoints, plus every step divisible by `keep_every` (if > 0).
 
     `compress` zstd-compresses the arrays. It is off by default: on float
-    weights and AdamW moments it saves about a fifth of the bytes, and on a
+    weights and AdamW moments it saves ~10% of the bytes, and on a
     2-core CPU host, where the write shares cores with the training step, the
     async overhead was 15.1% of a step compressed against 12.1% uncompressed
     (benchmarks/checkpoint.py, seven paired runs; docs/results.md).
