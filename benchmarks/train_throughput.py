@@ -58,6 +58,8 @@ def parse_args(argv=None):
                  help="meshlm compute dtype (parameters stay float32; torch stays float32)")
   p.add_argument("--unroll-layers", action="store_true",
                  help="meshlm: a Python loop over layers instead of lax.scan (scan_layers=False)")
+  p.add_argument("--matmul", choices=("auto", "einsum", "flat"), default="auto",
+                 help="meshlm projections (models/matmul.py); auto is flat on one CPU device")
   p.add_argument("--skip-torch", action="store_true")
   p.add_argument("--peak-flops", type=float, default=0.0,
                  help="MFU peak in FLOP/s; 0 measures a matmul (costs a few seconds on CPU)")
@@ -116,12 +118,14 @@ def bench_meshlm(args, tokens, hp):
 
   import parallel
   from models import ModelConfig
+  from models import matmul as matmul_lib
   from train import flops as flops_lib
 
   cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, num_layers=args.layers,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp,
                     rope_theta=10000.0, tie_embeddings=False, max_seq_len=args.seq,
-                    dtype=args.dtype, scan_layers=not args.unroll_layers)
+                    dtype=args.dtype, scan_layers=not args.unroll_layers,
+                    matmul=args.matmul)
   # A constant lr, like torch's.
   step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, len(tokens), args.seed)
   step = token_step_runner(step_fn, state, batch_sharding, args.batch, args.seq)
@@ -137,6 +141,7 @@ def bench_meshlm(args, tokens, hp):
   out.update(train_flops_per_token=fpt, peak_flops=peak, peak_source=source,
              mfu=out["tokens_per_s"] * fpt / (peak * jax.device_count()),
              num_params=cfg.num_params(), dtype=args.dtype, scan_layers=cfg.scan_layers,
+             matmul="flat" if matmul_lib.use_flat(cfg.matmul) else "einsum",
              devices=jax.device_count(),
              device_kind=jax.devices()[0].device_kind)
   return out, fpt, peak

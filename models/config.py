@@ -10,6 +10,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_saveable")
 MOE_IMPLS = ("dropless", "capacity")
 ROUTER_NORMS = ("topk", "all")
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
+MATMULS = ("auto", "einsum", "flat")
 ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "pallas")
 ARCHS = ("decoder", "prefix_lm", "encoder", "encoder_decoder")
 NORMS = ("rms", "layer")
@@ -58,6 +59,8 @@ class ModelConfig:
   z_loss_weight: float = 0.0     # router z-loss weight (ST-MoE uses 1e-3)
   router_bias_rate: float = 0.0  # >0: auxiliary-loss-free balancing bias step (DeepSeek-V3)
   grouped_matmul: str = "auto"   # dropless kernel; "auto": tiled on CPU, ragged_dot elsewhere
+  matmul: str = "auto"           # projections (models/matmul.py): einsum | flat; "auto": flat on
+                                 # a one-device CPU process, einsum elsewhere
   # Architecture (models/registry.py). The same Attention/MLP/norm modules serve every one.
   arch: str = "decoder"          # decoder | prefix_lm (bidirectional prompt) | encoder | encoder_decoder
   norm: str = "rms"              # rms (RMSNorm, T5's layer norm too) | layer (LayerNorm with bias)
@@ -109,7 +112,7 @@ class ModelConfig:
   def _check_arch(self):
     for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("norm_position", NORM_POSITIONS),
                           ("mlp_activation", MLP_ACTIVATIONS), ("position", POSITIONS),
-                          ("pooling", POOLINGS)):
+                          ("pooling", POOLINGS), ("matmul", MATMULS)):
       if getattr(self, name) not in allowed:
         raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {allowed}")
     for name in ("type_vocab_size", "num_decoder_layers", "decoder_vocab_size", "num_classes"):

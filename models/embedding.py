@@ -52,9 +52,9 @@ class Embeddings(nnx.Module):
     """logits_BTV in float32 from final hidden states (already normalised)."""
     cfg = self.cfg
     if cfg.tie_embeddings:
-      logits_BTV = project("BTD,VD->BTV", x_BTD, self.embed_VD, cfg.jnp_dtype,
+      logits_BTV = project("BTD,VD->BTV", x_BTD, self.embed_VD, cfg.jnp_dtype, cfg.matmul,
                            preferred_element_type=jnp.float32)
     else:
-      logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype,
+      logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype, cfg.matmul,
                            preferred_element_type=jnp.float32)
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))

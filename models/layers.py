@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import attention
+from models import matmul as matmul_lib
 from models.config import ModelConfig
 from parallel import constrain
 
@@ -32,8 +33,8 @@ def _add_bias(x, b: nnx.Param | None, dtype):
   return x if b is None else x + b[...].astype(dtype)
 
 
-def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
-  """jnp.einsum(spec, x, w) computed in `dtype`.
+def project(spec: str, x, w: nnx.Variable, dtype, matmul: str = "einsum", **kwargs) -> jax.Array:
+  """jnp.einsum(spec, x, w) computed in `dtype`, in the form `matmul` names (models/matmul.py).
 
   A weight whose value is not an array but has its own `einsum` (a quantized
   weight, infer/quant) computes the product itself, so quantizing a model
@@ -42,7 +43,7 @@ def project(spec: str, x, w: nnx.Variable, dtype, **kwargs) -> jax.Array:
   value = w[...]
   if hasattr(value, "einsum") and not isinstance(value, jax.Array):
     return value.einsum(spec, x, dtype, **kwargs)
-  return jnp.einsum(spec, x, value.astype(dtype), **kwargs)
+  return matmul_lib.einsum(spec, x, value.astype(dtype), matmul, **kwargs)
 
 
 def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
@@ -174,7 +175,7 @@ class Attention(nnx.Module):
   def _q(self, x_BTD, positions_BT):
     cfg = self.cfg
     dt = cfg.jnp_dtype
-    q_BTNH = _add_bias(project("BTD,DNH->BTNH", x_BTD, self.wq_DNH, dt), self._b("bq_NH"), dt)
+    q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
     if positions_BT is not None and cfg.position == "rope":
       q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
     return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
@@ -182,8 +183,8 @@ class Attention(nnx.Module):
   def _kv(self, x_BSD, positions_BS):
     cfg = self.cfg
     dt = cfg.jnp_dtype
-    k_BSKH = _add_bias(project("BTD,DKH->BTKH", x_BSD, self.wk_DKH, dt), self._b("bk_KH"), dt)
-    v_BSKH = _add_bias(project("BTD,DKH->BTKH", x_BSD, self.wv_DKH, dt), self._b("bv_KH"), dt)
+    k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
+    v_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wv_DKH), self._b("bv_KH"), dt)
     if positions_BS is not None and cfg.position == "rope":
       k_BSKH = rope(k_BSKH, positions_BS, cfg.rope_theta)
     return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),
@@ -192,9 +193,12 @@ class Attention(nnx.Module):
   def _b(self, name):
     return getattr(self, name) if self.cfg.use_bias else None
 
+  def _proj(self, spec, x, w):
+    return project(spec, x, w, self.cfg.jnp_dtype, self.cfg.matmul)
+
   def _out(self, out_BTNH):
     dt = self.cfg.jnp_dtype
-    out_BTD = _add_bias(project("BTNH,NHD->BTD", out_BTNH, self.wo_NHD, dt), self._b("bo_D"), dt)
+    out_BTD = _add_bias(self._proj("BTNH,NHD->BTD", out_BTNH, self.wo_NHD), self._b("bo_D"), dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
 
@@ -214,6 +218,7 @@ class MLP(nnx.Module):
     self.dtype = cfg.jnp_dtype
     self.activation = cfg.mlp_activation
     self.use_bias = cfg.use_bias
+    self.matmul = cfg.matmul
     if self.gated:
       self.gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
     self.up_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
@@ -231,15 +236,15 @@ class MLP(nnx.Module):
   def __call__(self, x_BTD):
     dt = self.dtype
     act = _ACTIVATIONS[self.activation]
-    up_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.up_DF, dt),
+    up_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.up_DF, dt, self.matmul),
                        self.up_F if self.use_bias else None, dt)
     if self.gated:
-      gate_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.gate_DF, dt),
+      gate_BTF = _add_bias(project("BTD,DF->BTF", x_BTD, self.gate_DF, dt, self.matmul),
                            self.gate_F if self.use_bias else None, dt)
       h_BTF = act(gate_BTF) * up_BTF
     else:
       h_BTF = act(up_BTF)
     h_BTF = constrain(h_BTF, ("act_batch", "act_seq", "act_mlp"))
-    out_BTD = _add_bias(project("BTF,FD->BTD", h_BTF, self.down_FD, dt),
+    out_BTD = _add_bias(project("BTF,FD->BTD", h_BTF, self.down_FD, dt, self.matmul),
                         self.down_D if self.use_bias else None, dt)
     return constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed"))
