@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+
 def use_flat(matmul: str) -> bool:
   """`matmul` resolved: "auto" is flat on a one-device CPU process, einsum anywhere else."""
   if matmul == "auto":
@@ -40,8 +41,8 @@ def _plan(spec: str, x_shape, w_shape):
   """How `spec` maps to [M, K] x [K, N]: transposes, sizes, and the way back to its output."""
   inputs, out = spec.replace(" ", "").split("->")
   xs, ws = inputs.split(",")
-  if len(xs) != len(x_shape) or len(ws) != len(w_shape) or len(set(xs + ws)) != len(
-      set(xs) | set(ws)) or not set(out) <= set(xs + ws):
+  if (len(xs) != len(x_shape) or len(ws) != len(w_shape) or len(set(xs)) != len(xs)
+      or len(set(ws)) != len(ws) or not set(out) <= set(xs + ws)):
     raise ValueError(f"einsum spec {spec!r} does not fit shapes {x_shape} and {w_shape}")
   contracted = [c for c in xs if c in ws and c not in out]
   rows = [c for c in xs if c not in contracted]

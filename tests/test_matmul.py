@@ -79,6 +79,7 @@ def test_auto_is_flat_only_on_a_one_device_cpu():
 
 @pytest.mark.parametrize("spec,xs,ws,words", [
     ("BTD,DF->BTG", (2, 3, 4), (4, 5), "does not fit"),
+    ("BTT,TF->BF", (2, 3, 3), (3, 5), "does not fit"),  # a letter twice in one operand
     ("BTD,EF->BTF", (2, 3, 4), (4, 5), "not a projection"),
     ("BTD,BDF->BTF", (2, 3, 4), (2, 4, 5), "not a projection"),
     ("BTD,DF->BTF", (2, 3, 4), (6, 5), "is 4 in x but 6 in w"),
