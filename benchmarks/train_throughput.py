@@ -60,6 +60,8 @@ def parse_args(argv=None):
                  help="meshlm: a Python loop over layers instead of lax.scan (scan_layers=False)")
   p.add_argument("--matmul", choices=("auto", "einsum", "flat"), default="auto",
                  help="meshlm projections (models/matmul.py); auto is flat on one CPU device")
+  p.add_argument("--xent", choices=("logits", "chunked"), default="logits",
+                 help="meshlm loss (models/xent.py): chunked fuses it with the unembedding")
   p.add_argument("--skip-torch", action="store_true")
   p.add_argument("--peak-flops", type=float, default=0.0,
                  help="MFU peak in FLOP/s; 0 measures a matmul (costs a few seconds on CPU)")
@@ -125,7 +127,7 @@ def bench_meshlm(args, tokens, hp):
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp,
                     rope_theta=10000.0, tie_embeddings=False, max_seq_len=args.seq,
                     dtype=args.dtype, scan_layers=not args.unroll_layers,
-                    matmul=args.matmul)
+                    matmul=args.matmul, xent=args.xent)
   # A constant lr, like torch's.
   step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, len(tokens), args.seed)
   step = token_step_runner(step_fn, state, batch_sharding, args.batch, args.seq)
@@ -134,17 +136,31 @@ def bench_meshlm(args, tokens, hp):
     return float(jax.block_until_ready(step(toks)["loss"]))
 
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
+    scratch = step_scratch_bytes(step_fn, state, batch_sharding, args)
     times, cpu, losses = time_steps(run_step, tokens, args.warmup)
   out = summarise(times, cpu, losses, args.batch * args.seq)
+  out["step_scratch_bytes"] = scratch
   peak, source = flops_lib.peak_flops_per_device(cfg.jnp_dtype, args.peak_flops)
   fpt = flops_lib.train_flops_per_token(cfg, args.seq)
   out.update(train_flops_per_token=fpt, peak_flops=peak, peak_source=source,
              mfu=out["tokens_per_s"] * fpt / (peak * jax.device_count()),
              num_params=cfg.num_params(), dtype=args.dtype, scan_layers=cfg.scan_layers,
              matmul="flat" if matmul_lib.use_flat(cfg.matmul) else "einsum",
+             xent=cfg.xent,
              devices=jax.device_count(),
              device_kind=jax.devices()[0].device_kind)
   return out, fpt, peak
+
+
+def step_scratch_bytes(step_fn, state, batch_sharding, args):
+  """XLA's temporary buffers for one compiled train step (activations, gradients, logits)."""
+  import jax
+  import jax.numpy as jnp
+
+  batch = {k: jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32, sharding=batch_sharding)
+           for k in ("inputs", "targets", "segment_ids", "positions")}
+  analysis = step_fn.lower(state, batch).compile().memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def bench_torch(args, tokens, hp, threads):

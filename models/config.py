@@ -11,6 +11,7 @@ MOE_IMPLS = ("dropless", "capacity")
 ROUTER_NORMS = ("topk", "all")
 GROUPED_MATMULS = ("auto", "ragged_dot", "tiled")
 MATMULS = ("auto", "einsum", "flat")
+XENTS = ("logits", "chunked")
 ATTENTION_IMPLS = ("auto", "naive", "blockwise", "cudnn", "pallas")
 ARCHS = ("decoder", "prefix_lm", "encoder", "encoder_decoder")
 NORMS = ("rms", "layer")
@@ -61,6 +62,8 @@ class ModelConfig:
   grouped_matmul: str = "auto"   # dropless kernel; "auto": tiled on CPU, ragged_dot elsewhere
   matmul: str = "auto"           # projections (models/matmul.py): einsum | flat; "auto": flat on
                                  # a one-device CPU process, einsum elsewhere
+  xent: str = "logits"           # training loss (models/xent.py): logits | chunked (fused with
+                                 # the unembedding: less memory, no faster on a CPU)
   # Architecture (models/registry.py). The same Attention/MLP/norm modules serve every one.
   arch: str = "decoder"          # decoder | prefix_lm (bidirectional prompt) | encoder | encoder_decoder
   norm: str = "rms"              # rms (RMSNorm, T5's layer norm too) | layer (LayerNorm with bias)
@@ -112,9 +115,13 @@ class ModelConfig:
   def _check_arch(self):
     for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("norm_position", NORM_POSITIONS),
                           ("mlp_activation", MLP_ACTIVATIONS), ("position", POSITIONS),
-                          ("pooling", POOLINGS), ("matmul", MATMULS)):
+                          ("pooling", POOLINGS), ("matmul", MATMULS),
+                          ("xent", XENTS)):
       if getattr(self, name) not in allowed:
         raise ConfigError(f"model.{name}={getattr(self, name)!r}; choose one of {allowed}")
+    if self.xent == "chunked" and self.arch not in ("decoder", "prefix_lm"):
+      raise ConfigError(f"model.xent='chunked' fuses a decoder's unembedding into its loss; "
+                        f"arch={self.arch!r} takes 'logits'")
     for name in ("type_vocab_size", "num_decoder_layers", "decoder_vocab_size", "num_classes"):
       v = getattr(self, name)
       if not isinstance(v, int) or v < 0:

@@ -5,9 +5,11 @@ names (`embed_VD`, `unembed_DV`, `pos_PD`, `type_YD`) at the top of every
 model and checkpoint converters, quantization and sharding see one layout.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import xent
 from models.config import ModelConfig
 from models.layers import Norm, _param, lookup, project
 from parallel import constrain
@@ -58,3 +60,21 @@ class Embeddings(nnx.Module):
       logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype, cfg.matmul,
                            preferred_element_type=jnp.float32)
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
+
+  def _out_table(self):
+    return self.embed_VD if self.cfg.tie_embeddings else self.unembed_DV
+
+  def chunked_xent(self) -> bool:
+    """Whether training takes the fused unembedding + loss (models/xent.py): config key
+    `xent`="chunked", on a decoder whose table is a plain array (not a quantized one)."""
+    cfg = self.cfg
+    return (cfg.xent == "chunked" and cfg.arch in ("decoder", "prefix_lm")
+            and isinstance(self._out_table()[...], jax.Array))
+
+  def xent_sum(self, x_BTD, targets_BT, weights_BT) -> jax.Array:
+    """sum(weights_BT * CE(logits_BTV, targets_BT)) from final hidden states, without ever
+    holding logits_BTV whole: what `token_losses` of `_unembed` gives, summed."""
+    d = x_BTD.shape[-1]
+    return xent.xent_sum(x_BTD.reshape(-1, d), self._out_table()[...], targets_BT.reshape(-1),
+                         weights_BT.reshape(-1), vocab_major=self.cfg.tie_embeddings,
+                         dtype=self.cfg.jnp_dtype)

@@ -25,9 +25,9 @@ def test_train_throughput_emits_json():
     assert key in result["env"]
   mesh = result["meshlm"]
   for key in ("tokens_per_s", "step_time_median_s", "step_time_mean_s", "mfu", "peak_flops",
-              "peak_source", "loss_first", "loss_last"):
+              "peak_source", "loss_first", "loss_last", "step_scratch_bytes", "xent"):
     assert key in mesh
-  assert mesh["tokens_per_s"] > 0 and mesh["loss_finite"]
+  assert mesh["tokens_per_s"] > 0 and mesh["loss_finite"] and mesh["step_scratch_bytes"] > 0
   hf = result["transformers"]
   if hf["skipped"]:  # torch/transformers missing: the reason is reported instead
     assert hf["reason"] and result["ratio"] is None

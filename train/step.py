@@ -28,11 +28,14 @@ def token_losses(logits_BTV, targets_BT):
 def forward_loss(graphdef, params, batch):
   """(summed token loss, real-token count, per-layer MoE stats or {})."""
   model = nnx.merge(graphdef, params)
-  logits_BTV, stats = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                            return_stats=True, **model_inputs(model.cfg, batch))
   mask_BT = (batch["segment_ids"] > 0).astype(jnp.float32)
   if "loss_mask" in batch:
     mask_BT = mask_BT * (batch["loss_mask"] > 0).astype(jnp.float32)
+  args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  if model.chunked_xent():  # the same loss, without the whole [B, T, V] logits (models/xent.py)
+    x_BTD, stats = model.hidden(*args, return_stats=True, **model_inputs(model.cfg, batch))
+    return model.xent_sum(x_BTD, batch["targets"], mask_BT), jnp.sum(mask_BT), stats
+  logits_BTV, stats = model(*args, return_stats=True, **model_inputs(model.cfg, batch))
   loss_sum = jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT)
   return loss_sum, jnp.sum(mask_BT), stats
 
