@@ -57,11 +57,11 @@ def _chunks(rows, x_MD, targets_M, weights_M):
   return (x_MD.reshape(n, rows, -1), targets_M.reshape(n, rows), weights_M.reshape(n, rows))
 
 
-def _tables(vocab_major, dtype, w):
-  """W as [D, V] (for x·W) and as [V, D] (for g·Wᵀ), both materialised in `dtype`."""
+def _tables(vocab_major, dtype, w, both=True):
+  """W as [D, V] (for x·W) and, with `both`, as [V, D] (for g·Wᵀ), materialised in `dtype`."""
   w = w.astype(dtype)
   w_VD, w_DV = (w, w.T) if vocab_major else (w.T, w)
-  return jax.lax.optimization_barrier((w_DV, w_VD))
+  return jax.lax.optimization_barrier((w_DV, w_VD) if both else (w_DV, None))
 
 
 def _chunk_loss(x_RD, w_DV, targets_R, weights_R):
@@ -74,7 +74,7 @@ def _chunk_loss(x_RD, w_DV, targets_R, weights_R):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _xent(vocab_major, dtype, rows, x_MD, w, targets_M, weights_M):
-  w_DV, _ = _tables(vocab_major, dtype, w)
+  w_DV, _ = _tables(vocab_major, dtype, w, both=False)  # the loss alone needs no Wᵀ
   xs = _chunks(rows, x_MD.astype(dtype), targets_M, weights_M)
 
   def body(total, chunk):
