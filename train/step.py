@@ -32,10 +32,11 @@ def forward_loss(graphdef, params, batch):
   if "loss_mask" in batch:
     mask_BT = mask_BT * (batch["loss_mask"] > 0).astype(jnp.float32)
   args = (batch["inputs"], batch["positions"], batch["segment_ids"])
+  kwargs = dict(return_stats=True, **model_inputs(model.cfg, batch))
   if model.chunked_xent():  # the same loss, without the whole [B, T, V] logits (models/xent.py)
-    x_BTD, stats = model.hidden(*args, return_stats=True, **model_inputs(model.cfg, batch))
+    x_BTD, stats = model.hidden(*args, **kwargs)
     return model.xent_sum(x_BTD, batch["targets"], mask_BT), jnp.sum(mask_BT), stats
-  logits_BTV, stats = model(*args, return_stats=True, **model_inputs(model.cfg, batch))
+  logits_BTV, stats = model(*args, **kwargs)
   loss_sum = jnp.sum(token_losses(logits_BTV, batch["targets"]) * mask_BT)
   return loss_sum, jnp.sum(mask_BT), stats
 
