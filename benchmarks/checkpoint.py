@@ -56,6 +56,7 @@ def parse_args(argv=None):
   p.add_argument("--dir", default=None, help="parent of the temporary checkpoint directory")
   p.add_argument("--compress", action="store_true",
                  help="zstd-compressed arrays (train config checkpoint_compression=True)")
+  p.add_argument("--idle-writer", action="store_true", help="Checkpointer(idle_writer=True)")
   args = p.parse_args(argv)
   if args.every < 1 or args.periods < 1:
     p.error("--every and --periods must be >= 1")
@@ -108,7 +109,8 @@ def run_mode(mode, args, step_fn, state, batch_for, directory):
   # A real grain iterator: its position is part of every checkpoint, as in train/loop.py.
   data_iter = iter(grain.MapDataset.range(10 ** 9).to_iter_dataset(
       grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
-  ckpt = Checkpointer(directory, keep=2, async_save=mode == "async", compress=args.compress)
+  ckpt = Checkpointer(directory, keep=2, async_save=mode == "async", compress=args.compress,
+                      idle_writer=args.idle_writer)
   step_times, plain, saving, blocking, drain = [], [], [], [], []
   plain_cpu, saving_cpu = [], []
   saved = [0]

@@ -26,6 +26,7 @@ def base_config() -> ConfigDict:
   c.keep_checkpoint_every = 0   # >0: also keep every checkpoint whose step is a multiple of this
   c.async_checkpoints = True
   c.checkpoint_compression = False  # zstd: ~10% fewer bytes, more CPU per save
+  c.checkpoint_idle_writer = False  # Linux: background writes at SCHED_IDLE (docs/fault_tolerance.md)
   c.peak_flops_per_device = 0.0   # 0: data-sheet value on accelerators, measured on CPU
   c.init_from = ""          # optional: HF directory, .gguf file, or meshlm workdir to start from
 

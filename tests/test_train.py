@@ -156,3 +156,46 @@ def test_keeps_the_newest_k_plus_every_mth(tmp_path, shakespeare_slice):
   train(config, str(tmp_path))
   steps = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
   assert steps == [4, 8, 10, 12]
+
+
+IDLE_WRITER_SCRIPT = r"""
+import os, sys
+import grain, jax, jax.numpy as jnp, numpy as np
+from train.checkpoint import Checkpointer
+state = {"w_DF": jnp.arange(64 * 256.0).reshape(64, 256), "b_F": jnp.ones(256)}
+data = lambda: iter(grain.MapDataset.range(10).to_iter_dataset())
+ckpt = Checkpointer(sys.argv[1], keep=2, idle_writer=True)
+for step in (1, 2):
+  ckpt.save(step, jax.tree.map(lambda x: x + step, state), data(), force=True)
+ckpt.wait()
+helper = [os.sched_getscheduler(t.native_id) == os.SCHED_IDLE
+          for t in __import__("threading").enumerate() if t.name.startswith("meshlm-ckpt")]
+ckpt.close()
+pools = [int(t) for t in os.listdir("/proc/self/task")
+         if open(f"/proc/self/task/{t}/comm").read().startswith("ts_pool")]
+restored, step = Checkpointer(sys.argv[1], keep=2).restore(jax.tree.map(jnp.zeros_like, state), data())
+assert step == 2, step
+np.testing.assert_array_equal(restored["w_DF"], state["w_DF"] + 2)
+print("helper", helper)
+print("pools", len(pools), all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in pools))
+print("main", os.sched_getscheduler(0) == os.SCHED_OTHER)
+"""
+
+
+def test_idle_writer_saves_at_idle_priority_and_restores(tmp_path):
+  """checkpoint_idle_writer: the save's helper thread and TensorStore's pool run SCHED_IDLE, the
+  main thread keeps its policy, and the checkpoint restores exactly. In a subprocess: the policy
+  of the pool workers cannot be undone and would slow this worker's later tests."""
+  import subprocess
+  import sys
+  if not hasattr(os, "SCHED_IDLE"):
+    import pytest
+    pytest.skip("SCHED_IDLE is Linux-only")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", IDLE_WRITER_SCRIPT, str(tmp_path)], cwd=repo,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+  assert lines["helper"] == "[True]", out.stdout
+  assert lines["pools"].split()[1] == "True" and int(lines["pools"].split()[0]) > 0, out.stdout
+  assert lines["main"] == "True", out.stdout

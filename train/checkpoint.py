@@ -6,6 +6,7 @@ one (truncated or missing file, bad metadata) fails to restore: `restore` then
 logs which one and why and falls back to the next older checkpoint.
 """
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -19,7 +20,7 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints under WORKDIR/checkpoints; the loop decides when to save."""
 
   def __init__(self, workdir: str, keep: int, async_save: bool = True, keep_every: int = 0,
-               compress: bool = False):
+               compress: bool = False, idle_writer: bool = False):
     """Keeps the newest `keep` checkpoints, plus every step divisible by `keep_every` (if > 0).
 
     `compress` zstd-compresses the arrays. It is off by default: on float
@@ -27,6 +28,11 @@ class Checkpointer:
     2-core CPU host, where the write shares cores with the training step, the
     async overhead was 15.1% of a step compressed against 12.1% uncompressed
     (benchmarks/checkpoint.py, seven paired runs; docs/results.md).
+
+    `idle_writer` starts each save from a helper thread under Linux's
+    SCHED_IDLE policy, so the threads Orbax and TensorStore start for the
+    background write inherit it, and the pool workers are demoted too: the
+    write then runs only on cycles the training step leaves free.
     """
     if keep <= 0 or keep_every < 0:
       raise ValueError(f"keep_checkpoints must be positive and keep_checkpoint_every >= 0, "
@@ -39,6 +45,10 @@ class Checkpointer:
                 "data": grain.checkpoint.CheckpointHandler(),
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._saver = None
+    if idle_writer and async_save and hasattr(os, "SCHED_IDLE"):
+      self._saver = concurrent.futures.ThreadPoolExecutor(
+          1, thread_name_prefix="meshlm-ckpt", initializer=_idle_policy)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -51,7 +61,12 @@ class Checkpointer:
                  data=grain.checkpoint.CheckpointSave(data_iter))
     if config is not None:
       items["config"] = ocp.args.JsonSave(config)
-    return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    save = lambda: self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if self._saver is None:
+      return save()
+    _demote_pool_workers()
+    # Blocks until the snapshot is taken: the next step may donate the state's buffers.
+    return self._saver.submit(save).result()
 
   def restore(self, state_template, data_iter, step: int | None = None):
     """Newest restorable checkpoint (or `step`) into the shardings of `state_template`.
@@ -105,6 +120,23 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+    if self._saver is not None:
+      self._saver.shutdown()
+
+
+def _idle_policy():
+  os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread only
+
+
+def _demote_pool_workers():
+  """TensorStore's pool workers outlive a save and may have been started by a normal thread."""
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      with open(f"/proc/self/task/{tid}/comm") as f:
+        if f.read().startswith("ts_pool"):
+          os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # the thread has exited
+      pass
 
 
 def restore_params(workdir: str, params_template, step: int | None = None):

@@ -56,7 +56,8 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   step_fn = make_step()
 
   ckpt = Checkpointer(workdir, config.keep_checkpoints, config.async_checkpoints,
-                      config.keep_checkpoint_every, config.checkpoint_compression)
+                      config.keep_checkpoint_every, config.checkpoint_compression,
+                      config.get("checkpoint_idle_writer", False))
   goodput.add("startup", time.perf_counter() - started)
   if ckpt.latest_step() is not None:
     t = time.perf_counter()
