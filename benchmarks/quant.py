@@ -42,7 +42,9 @@ from benchmarks.decode_models import smollm_path  # noqa: E402
 
 ALPACA = os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")
 FORMATS = [("float32", None, None), ("int8", "int8", "rtn"), ("int4-g128-rtn", "int4-g128", "rtn"),
-           ("int4-g128-gptq", "int4-g128", "gptq"), ("int4-g32", "int4-g32", "rtn")]
+           ("int4-g128-gptq", "int4-g128", "gptq"), ("int4-g128-awq", "int4-g128", "awq"),
+           ("int4-g128-awq-gptq", "int4-g128", "awq-gptq"), ("int4-g32", "int4-g32", "rtn")]
+CALIBRATED = ("int4-g128-gptq", "int4-g128-awq", "int4-g128-awq-gptq")
 TARGETS = {"int4_g128_bytes_ratio_max": 0.16, "int8_ppl_increase_max": 0.01,
            "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0}
 
@@ -101,6 +103,7 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
               gptq_options=None):
   """A fresh float model from `load()`, quantized as asked: (model, plan summary, seconds)."""
   from infer.quant import default_rules, quantize_model
+  from infer.quant.awq import awq_quantize
   from infer.quant.gptq import gptq_quantize
   model, tokenizer = load()
   if fmt is None:
@@ -111,9 +114,12 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
   if embeddings == "auto":
     embeddings = "int8" if fmt.startswith("int4") else "same"
   rules = default_rules(fmt, embeddings=embeddings)
+  options = gptq_options or dict(act_order=True, clip_search=True)
   if method == "gptq":
-    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True,
-                         **(gptq_options or dict(act_order=True, clip_search=True)))
+    plan = gptq_quantize(model, rules, calib_NT, fit_groups=True, **options)
+  elif method in ("awq", "awq-gptq"):
+    plan, _ = awq_quantize(model, rules, calib_NT, fit_groups=True, gptq=method == "awq-gptq",
+                           **options)
   else:
     plan = quantize_model(model, rules, fit_groups=True)
   groups = {}
@@ -160,11 +166,15 @@ def _targets(rows) -> dict:
     met["int4_g128_bytes"] = rows["int4-g128-rtn"]["bytes_ratio"] <= TARGETS["int4_g128_bytes_ratio_max"]
   if "int8" in rows:
     met["int8_ppl"] = rows["int8"]["ppl_increase"] <= TARGETS["int8_ppl_increase_max"]
-  if "int4-g128-gptq" in rows:
-    met["calibrated_int4_ppl"] = (rows["int4-g128-gptq"]["ppl_increase"]
-                                  <= TARGETS["calibrated_int4_ppl_increase_max"])
+  for label in CALIBRATED:
+    if label not in rows:
+      continue
+    method = label[len("int4-g128-"):]
+    met.setdefault("calibrated_int4_ppl", {})[method] = (
+        rows[label]["ppl_increase"] <= TARGETS["calibrated_int4_ppl_increase_max"])
     if "int4-g128-rtn" in rows:
-      met["gptq_beats_rtn_ppl"] = rows["int4-g128-gptq"]["ppl"] < rows["int4-g128-rtn"]["ppl"]
+      met.setdefault("calibrated_beats_rtn_ppl", {})[method] = (
+          rows[label]["ppl"] < rows["int4-g128-rtn"]["ppl"])
   met["decode_not_slower"] = {k: r["decode_speed_ratio"] >= TARGETS["decode_speed_ratio_min"]
                               for k, r in rows.items() if k != "float32"}
   return met

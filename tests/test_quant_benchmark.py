@@ -24,5 +24,8 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
   # and the plan says so; the embedding stays int8.
   assert rows["int4-g128-gptq"]["groups_used"] == {"int4-g32": 6, "int4-g64": 1, "int8": 1}
   assert rows["int8"]["bytes_ratio"] < 0.3 and rows["int4-g32"]["bytes_ratio"] < 0.3
-  assert set(out["models"]["quickstart"]["targets_met"]) >= {"int8_ppl", "calibrated_int4_ppl",
-                                                           "gptq_beats_rtn_ppl"}
+  for label in quant.CALIBRATED:
+    assert rows[label]["groups_used"] == rows["int4-g128-gptq"]["groups_used"], label
+  met = out["models"]["quickstart"]["targets_met"]
+  assert set(met) >= {"int8_ppl", "calibrated_int4_ppl", "calibrated_beats_rtn_ppl"}
+  assert set(met["calibrated_int4_ppl"]) == {"gptq", "awq", "awq-gptq"}

@@ -194,8 +194,9 @@ def _quantize_fails(tmp_path, workdir, *args, match):
 
 def test_quantize_refuses_bad_input(tmp_path, workdir):
   _quantize_fails(tmp_path, workdir, "--format", "int3-g64", "--method", "rtn", match="int3-g64")
-  _quantize_fails(tmp_path, workdir, "--format", "int4-g128", "--method", "gptq",
-                  match="--calib")
+  for method in ("gptq", "awq", "awq-gptq"):
+    _quantize_fails(tmp_path, workdir, "--format", "int4-g128", "--method", method,
+                    match="--calib")
   # d_model 64: a 128-row group does not fit; the error names a layer and the sizes.
   _quantize_fails(tmp_path, workdir, "--format", "int4-g128", "--method", "rtn",
                   match="group size 128 (int4-g128) does not divide the contraction dimension 64")
@@ -218,14 +219,18 @@ def test_quantize_then_generate_end_to_end(tmp_path, workdir):
 
 @pytest.mark.skipif(importlib.util.find_spec("infer.quant.gptq") is None,
                     reason="infer/quant/gptq.py not present")
-def test_quantize_with_gptq(tmp_path, workdir):
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])
+def test_quantize_calibrated(tmp_path, workdir, method):
   out = str(tmp_path / "q")
-  main(["quantize", "--model", workdir, "--format", "int4-g32", "--method", "gptq",
+  main(["quantize", "--model", workdir, "--format", "int4-g32", "--method", method,
         "--calib", SHAKESPEARE, "--calib_samples", "4", "--calib_len", "32", "--out", out])
   model, tokenizer = load_quantized(out)
   with open(os.path.join(out, "quant.json")) as f:
     info = json.load(f)
-  assert info["method"] == "gptq" and info["calibration"]["samples"] == 4
+  assert info["method"] == method and info["calibration"]["samples"] == 4
+  if method != "gptq":   # one α per layer for each of the four foldable pairs
+    alphas = info["calibration"]["awq_alpha"]
+    assert len(alphas) == 4 and all(len(a) == model.cfg.num_layers for a in alphas.values())
   assert len(_greedy(model, tokenizer, n=4)) == 4
 
 

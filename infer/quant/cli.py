@@ -1,11 +1,11 @@
 """`meshlm quantize`: a model in, a quantized checkpoint directory out.
 
-  meshlm quantize --model PATH --format int4-g128 [--method gptq|rtn] [--calib DATA]
+  meshlm quantize --model PATH --format int4-g128 [--method gptq|awq|awq-gptq|rtn] [--calib DATA]
                   [--calib_samples 64] [--calib_len 256] [--embeddings same|int8|none]
                   [--fit_groups] --out DIR
 
 --model takes what `meshlm generate` takes (workdir, HF directory, .gguf).
---calib (GPTQ) is a .txt file, or .json/.jsonl records whose "instruction" +
+--calib (every method but rtn) is a .txt file, or .json/.jsonl records whose "instruction" +
 "output" (else "text") strings are used.
 """
 
@@ -23,8 +23,10 @@ def _flags(argv: list[str]):
   flags.DEFINE_string("model", None, "meshlm workdir, HF directory or .gguf file", flag_values=fv)
   flags.DEFINE_string("format", None, "int8, int8-asym, int4-gN, int4-gN-asym (e.g. int4-g128)",
                       flag_values=fv)
-  flags.DEFINE_enum("method", "gptq", ["gptq", "rtn"],
-                    "gptq (calibrated, needs --calib) or rtn (round-to-nearest)", flag_values=fv)
+  flags.DEFINE_enum("method", "gptq", ["gptq", "awq", "awq-gptq", "rtn"],
+                    "calibrated (needs --calib): gptq, awq (activation-aware scaling, then "
+                    "round-to-nearest), awq-gptq (the scaling, then GPTQ); or rtn "
+                    "(round-to-nearest)", flag_values=fv)
   flags.DEFINE_string("calib", None, "calibration text: .txt, .json or .jsonl", flag_values=fv)
   flags.DEFINE_integer("calib_samples", 64, "calibration sequences", flag_values=fv)
   flags.DEFINE_integer("calib_len", 256, "tokens per calibration sequence", flag_values=fv)
@@ -36,8 +38,8 @@ def _flags(argv: list[str]):
                       flag_values=fv)
   flags.DEFINE_bool("act_order", True, "GPTQ: rows in decreasing Hessian diagonal order, "
                     "group scales fixed up front", flag_values=fv)
-  flags.DEFINE_bool("clip_search", True, "GPTQ: each group's range by least squared error",
-                    flag_values=fv)
+  flags.DEFINE_bool("clip_search", True, "GPTQ (gptq, awq-gptq): each group's range by least "
+                    "squared error", flag_values=fv)
   try:
     fv(["meshlm"] + argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -136,9 +138,9 @@ def run(fv) -> None:
   emb = {"same": "same", "int8": "int8", "none": None}[fv["embeddings"].value]
   calib = fv["calib"].value
   # Everything checkable without the model fails before the (slow) load.
-  if method == "gptq" and calib is None:
-    raise ValueError("--method gptq needs calibration text: --calib FILE (.txt/.json/.jsonl); "
-                     "or use --method rtn")
+  if method != "rtn" and calib is None:
+    raise ValueError(f"--method {method} needs calibration text: --calib FILE "
+                     "(.txt/.json/.jsonl); or use --method rtn")
   if calib is not None and not os.path.isfile(calib):
     raise FileNotFoundError(f"calibration file {calib} does not exist")
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -149,7 +151,7 @@ def run(fv) -> None:
   rules = default_rules(fmt.name, emb)
   before = weight_bytes(model)
   calib_info = None
-  if method == "gptq":
+  if method != "rtn":
     if tokenizer is None:
       raise ValueError(f"{fv['model'].value} has no tokenizer to encode the calibration text")
     length = fv["calib_len"].value
@@ -159,12 +161,15 @@ def run(fv) -> None:
     ids_NT = calibration_ids(calib, tokenizer, fv["calib_samples"].value, length)
     calib_info = dict(path=os.path.abspath(calib), samples=int(ids_NT.shape[0]),
                       length=int(ids_NT.shape[1]))
-    try:
+    options = dict(fit_groups=fv["fit_groups"].value, act_order=fv["act_order"].value,
+                   clip_search=fv["clip_search"].value)
+    if method == "gptq":
       from infer.quant.gptq import gptq_quantize
-    except ImportError as e:
-      raise ValueError(f"GPTQ is not available ({e}); use --method rtn") from e
-    plan = gptq_quantize(model, rules, ids_NT, fit_groups=fv["fit_groups"].value,
-                         act_order=fv["act_order"].value, clip_search=fv["clip_search"].value)
+      plan = gptq_quantize(model, rules, ids_NT, **options)
+    else:
+      from infer.quant.awq import awq_quantize
+      plan, alphas = awq_quantize(model, rules, ids_NT, gptq=method == "awq-gptq", **options)
+      calib_info["awq_alpha"] = alphas
     calib_info.update(act_order=fv["act_order"].value, clip_search=fv["clip_search"].value)
   else:
     plan = quantize_model(model, rules, fit_groups=fv["fit_groups"].value)

@@ -105,19 +105,50 @@ class _Recorder:
     return jnp.einsum(spec, x, self.value.astype(dtype), **kwargs)
 
 
-def _hessians(module, paths, run) -> dict:
-  """{path: H_KK} of the inputs each named weight of `module` sees while `run(module)` runs."""
+def _hessians(module, paths, run) -> tuple[dict, object]:
+  """({path: H_KK} of the inputs each named weight of `module` sees while `run(module)` runs,
+  what `run` returned)."""
   variables, sink = params_by_path(module), {}
   originals = {p: variables[p][...] for p in paths}
   for p, value in originals.items():
     variables[p].set_value(_Recorder(value, sink, p))
   try:
-    run(module)
+    out = run(module)
   finally:
     for p, value in originals.items():
       variables[p].set_value(value)
   sink.pop("_memo", None)
-  return {p: h / n for p, (h, n) in sink.items()}
+  return {p: h / n for p, (h, n) in sink.items()}, out
+
+
+class BlockHessians:
+  """Iterates (layer, block, {path: H_KK}) over the blocks in order, for `paths` relative to a
+  block. Block i's inputs come from blocks 0..i-1 as the consumer left them (quantized, for
+  GPTQ's sequential order): after each yield the block runs on the calibration activations.
+  With `rerun=False` the consumer promises to leave each block's function unchanged, and the
+  recording run's outputs are used instead (half the forward passes). `outputs` holds the
+  last block's outputs once the walk is done."""
+
+  def __init__(self, model, paths, calib_ids_NT, batch: int = 16, rerun: bool = True):
+    ids = np.asarray(calib_ids_NT, np.int32)
+    if ids.ndim != 2 or ids.size == 0:
+      raise ValueError(f"calibration ids must be a non-empty [N, T] array, got shape {ids.shape}")
+    self.model, self.paths, self.rerun = model, list(paths), rerun
+    self.pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    self.segs = jnp.ones(ids.shape, jnp.int32)
+    self.chunks = [slice(i, i + batch) for i in range(0, len(ids), batch)]
+    self.outputs = [model._embed(jnp.asarray(ids[c])) for c in self.chunks]
+
+  def run(self, block):
+    return [block(x, self.pos[c], self.segs[c])[0] for x, c in zip(self.outputs, self.chunks)]
+
+  def __iter__(self):
+    graphdef, state = nnx.split(self.model.blocks)
+    for layer in range(self.model.cfg.num_layers):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
+      hessians, outputs = _hessians(block, self.paths, self.run)
+      yield layer, block, hessians
+      self.outputs = self.run(block) if self.rerun else outputs
 
 
 def _solve(module, path, fmt, h_KK, options):
@@ -148,31 +179,19 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
   options = dict(damp=damp, act_order=act_order, clip_search=clip_search)
   if "embed_VD" in plan:
     quantize_model(model, [("^embed_VD$", plan["embed_VD"].name)])
-  ids = np.asarray(calib_ids_NT, np.int32)
-  if ids.ndim != 2 or ids.size == 0:
-    raise ValueError(f"calibration ids must be a non-empty [N, T] array, got shape {ids.shape}")
-  pos, segs = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), jnp.ones(ids.shape, jnp.int32)
-  chunks = [slice(i, i + batch) for i in range(0, len(ids), batch)]
-  xs = [model._embed(jnp.asarray(ids[c])) for c in chunks]
-
-  def run_block(block):
-    return [block(x, pos[c], segs[c])[0] for x, c in zip(xs, chunks)]
-
   results = {}
-  graphdef, state = nnx.split(model.blocks)
   layer_plan = {p[len("blocks/"):]: f for p, f in plan.items() if p.startswith("blocks/")}
-  for layer in range(model.cfg.num_layers):
-    block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
-    hessians = _hessians(block, layer_plan, run_block)
+  walk = BlockHessians(model, layer_plan, calib_ids_NT, batch)
+  for layer, block, hessians in walk:
     for p, fmt in layer_plan.items():
       try:
         results[("blocks/" + p, layer)] = _solve(block, p, fmt, hessians[p], options)
       except np.linalg.LinAlgError as e:
         raise ValueError(f"GPTQ of blocks/{p}, layer {layer}: {e} (raise damp, or calibrate "
                          "on more text)") from e
-    xs = run_block(block)   # the next block sees this one's quantization error
+  xs = walk.outputs   # the last block's outputs, every block's quantization error included
   if "unembed_DV" in plan:
-    h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])["unembed_DV"]
+    h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])[0]["unembed_DV"]
     results[("unembed_DV", None)] = _solve(model, "unembed_DV", plan["unembed_DV"], h, options)
 
   rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]
