@@ -33,7 +33,7 @@ from infer.quant.gptq import BlockHessians
 from infer.quant.qarray import to_matrix
 from infer.quant.rules import axes_of, params_by_path
 
-# (the op that feeds the projections, how its output channels are laid out, the projections)
+# (the op whose output channels feed the projections, the projections it feeds)
 PAIRS = (("attn_norm/scale", ("attn/wq_DNH", "attn/wk_DKH", "attn/wv_DKH")),
          ("attn/wv_DKH", ("attn/wo_NHD",)),
          ("mlp_norm/scale", ("mlp/gate_DF", "mlp/up_DF")),
