@@ -46,7 +46,9 @@ class Checkpointer:
                 "config": ocp.JsonCheckpointHandler()}
     self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._saver = None
-    if idle_writer and async_save and hasattr(os, "SCHED_IDLE"):
+    if idle_writer and not hasattr(os, "SCHED_IDLE"):
+      logging.warning("checkpoint_idle_writer needs Linux's SCHED_IDLE; saving at normal priority")
+    elif idle_writer and async_save:
       self._saver = concurrent.futures.ThreadPoolExecutor(
           1, thread_name_prefix="meshlm-ckpt", initializer=_idle_policy)
 
@@ -125,7 +127,11 @@ class Checkpointer:
 
 
 def _idle_policy():
-  os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread only
+  try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # pid 0: this thread only
+  except OSError as e:  # e.g. a sandbox that forbids it: the save itself must still happen
+    logging.warning("checkpoint_idle_writer: SCHED_IDLE refused (%s); saving at normal "
+                    "priority", e)
 
 
 def _demote_pool_workers():
@@ -135,7 +141,7 @@ def _demote_pool_workers():
       with open(f"/proc/self/task/{tid}/comm") as f:
         if f.read().startswith("ts_pool"):
           os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-    except OSError:  # the thread has exited
+    except OSError:  # the thread has exited, or the policy is refused (logged once, above)
       pass
 
 
