@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer.quant.formats import QuantFormat
-from infer.quant.gptq import BlockHessians
+from infer.quant.gptq import BlockHessians, gptq_quantize
 from infer.quant.qarray import to_matrix
-from infer.quant.rules import axes_of, params_by_path
+from infer.quant.quantize import quantize_model
+from infer.quant.rules import axes_of, params_by_path, quant_plan
 
 # (the op whose output channels feed the projections, the projections it feeds)
 PAIRS = (("attn_norm/scale", ("attn/wq_DNH", "attn/wk_DKH", "attn/wv_DKH")),
@@ -111,7 +112,7 @@ def awq_scale(model, plan: dict, calib_ids_NT, *, grid: int = 20, batch: int = 1
       alpha, s_C = search_scales(mats, hessians[after[0]], channel_K, grid)
       alphas[feeder].append(alpha)
       if alpha:
-        _fold(stacked, layer, feeder, after, s_C.astype(np.float32))
+        _fold(stacked, layer, feeder, after, s_C.astype(np.float32), channel_K)
   return alphas
 
 
@@ -125,29 +126,21 @@ def _feeding_channel(feeder: str, local) -> np.ndarray:
   return np.arange(local[feeder][...].shape[-1])
 
 
-def _fold(stacked, layer: int, feeder: str, after, s_C: np.ndarray):
-  """Feeder's output channels ÷ s and the projections' contraction rows × s, in layer `layer`
-  of the model's stacked block parameters."""
+def _fold(stacked, layer: int, feeder: str, after, s_C: np.ndarray, channel_K: np.ndarray):
+  """Feeder's output channels (its trailing axes) ÷ s and the projections' contraction rows
+  (their leading axes) × s of the channel they read, in layer `layer` of the model's stacked
+  block parameters."""
   def update(path, fn):
     var = stacked["blocks/" + path]
     value = np.array(var[...], np.float32)
     value[layer] = fn(value[layer])
     var.set_value(jnp.asarray(value, var[...].dtype))
 
-  if feeder == "attn/wv_DKH":
-    update(feeder, lambda w: w / s_C.reshape(w.shape[1:])[None])
-    for p in after:   # wo_NHD: row (n, h) takes its kv head's channel
-      update(p, lambda w: w * _wo_rows(s_C, w.shape)[..., None])
-  else:
-    update(feeder, lambda w: w / s_C)
-    for p in after:   # [D or F, ...]: the contraction axis comes first
-      update(p, lambda w: w * s_C.reshape((-1,) + (1,) * (w.ndim - 1)))
-
-
-def _wo_rows(s_C: np.ndarray, shape) -> np.ndarray:
-  n, h = shape[:2]
-  kv = s_C.size // h
-  return s_C.reshape(kv, h)[np.arange(n) // (n // kv)]
+  update(feeder, lambda w: w / s_C.reshape(w.shape[1:] if w.ndim > 1 else w.shape))
+  s_K = s_C[channel_K]
+  for p in after:
+    k_axes = len(axes_of(p)[1])
+    update(p, lambda w, n=k_axes: w * s_K.reshape(w.shape[:n] + (1,) * (w.ndim - n)))
 
 
 def awq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, gptq: bool = False,
@@ -159,9 +152,6 @@ def awq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, gptq: 
   Rounding takes each group's full range: formats.scales_for's clipping search weighs
   every row alike, so it clips the rows the scaling just enlarged for their energy (on
   SmolLM2 at int4-g128 it raised perplexity from 16.05 to 17.24; docs/results.md)."""
-  from infer.quant.gptq import gptq_quantize
-  from infer.quant.quantize import quantize_model
-  from infer.quant.rules import quant_plan
   plan = quant_plan(model, rules, fit_groups=fit_groups)
   alphas = awq_scale(model, plan, calib_ids_NT, grid=grid, batch=batch)
   if gptq:
