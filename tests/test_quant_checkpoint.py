@@ -76,7 +76,7 @@ def _greedy(model, tokenizer, n=8):
 
 
 @pytest.mark.parametrize("fmt,tied", [("int8", False), ("int4-g32", False),
-                                      ("int4-g32-asym", True)])
+                                      ("int4-g32-asym", True), ("int4-g32-zp", False)])
 def test_round_trip_is_exact(tmp_path, tokenizer, fmt, tied):
   model, plan = _quantized(fmt, tied)
   out = str(tmp_path / "q")
@@ -231,6 +231,25 @@ def test_quantize_calibrated(tmp_path, workdir, method):
   if method != "gptq":   # one α per layer for each of the four foldable pairs
     alphas = info["calibration"]["awq_alpha"]
     assert len(alphas) == 4 and all(len(a) == model.cfg.num_layers for a in alphas.values())
+  assert len(_greedy(model, tokenizer, n=4)) == 4
+
+
+def test_quantize_with_scale_tuning(tmp_path, workdir):
+  """--tune_epochs trains the scales after round-to-nearest (zero-point INT4 here) and
+  records the run; without --calib it is refused before the model loads."""
+  with pytest.raises(SystemExit, match="--tune_epochs=2 needs calibration text"):
+    main(["quantize", "--model", workdir, "--format", "int4-g32-zp", "--method", "rtn",
+          "--tune_epochs", "2", "--out", str(tmp_path / "none")])
+  out = str(tmp_path / "q")
+  main(["quantize", "--model", workdir, "--format", "int4-g32-zp", "--method", "rtn",
+        "--calib", SHAKESPEARE, "--calib_samples", "4", "--calib_len", "32",
+        "--tune_epochs", "2", "--out", out])
+  with open(os.path.join(out, "quant.json")) as f:
+    info = json.load(f)
+  tune = info["calibration"]["tune"]
+  assert (tune["epochs"], tune["batch"]) == (2, 4) and tune["kl_last"] < tune["kl_first"]
+  model, tokenizer = load_quantized(out)
+  assert {q.fmt.name for q in quantized_params(model).values()} == {"int4-g32-zp"}
   assert len(_greedy(model, tokenizer, n=4)) == 4
 
 

@@ -16,10 +16,11 @@ max(s)·min(s) = 1; α ∈ {0, 1/n, ..., (n-1)/n} (α = 0 is plain rounding) is
 chosen per pair and layer to minimise the output error of round-to-nearest,
 tr(ΔWᵀ H ΔW) with ΔW = Q(s·W)/s − W and H = 2XᵀX/n the inputs' second moment,
 summed over the projections that share the input. The error is taken on each
-projection's output, not the block's (AWQ's own search runs the block); the
-paper's input-weighted clipping search is not done (see awq_quantize).
+projection's output, not the block's (AWQ's own search runs the block).
 
-The scaled float model is then quantized by round-to-nearest or GPTQ.
+The scaled float model is then quantized by round-to-nearest, each group's
+range clipped to the least output error as AWQ does (see awq_quantize), or by
+GPTQ.
 """
 
 import functools
@@ -31,7 +32,7 @@ import numpy as np
 from infer.quant.formats import QuantFormat
 from infer.quant.gptq import BlockHessians, gptq_quantize
 from infer.quant.qarray import to_matrix
-from infer.quant.quantize import quantize_model
+from infer.quant.quantize import encode, quantize_model
 from infer.quant.rules import axes_of, params_by_path, quant_plan
 
 # (the op whose output channels feed the projections, the projections it feeds)
@@ -57,6 +58,11 @@ def rtn_errors(w_KM, h_KK, s_AK, fmt: QuantFormat):
     elif fmt.symmetric:   # the group's extreme maps to code -8 (formats.scales_for)
       ext = jnp.take_along_axis(x_GgM, jnp.abs(x_GgM).argmax(axis=1)[:, None], axis=1)
       scale, lo, hi, offset = -ext / 8, -8, 7, 0.0
+    elif fmt.int_zero:   # the range widened to 0, the offset a whole number of steps
+      x_lo = jnp.minimum(x_GgM.min(axis=1, keepdims=True), 0)
+      x_hi = jnp.maximum(x_GgM.max(axis=1, keepdims=True), 0)
+      scale, lo, hi = (x_hi - x_lo) / (fmt.levels - 1), 0, fmt.levels - 1
+      offset = -jnp.clip(jnp.rint(-x_lo / jnp.where(scale == 0, 1.0, scale)), lo, hi) * scale
     else:
       offset = x_GgM.min(axis=1, keepdims=True)
       scale, lo, hi = (x_GgM.max(axis=1, keepdims=True) - offset) / (fmt.levels - 1), 0, \
@@ -146,17 +152,31 @@ def _fold(stacked, layer: int, feeder: str, after, s_C: np.ndarray, channel_K: n
 def awq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, gptq: bool = False,
                  clip_search: bool = True, act_order: bool = True, grid: int = 20,
                  batch: int = 16) -> tuple[dict, dict]:
-  """AWQ scaling, then round-to-nearest or, with `gptq=True`, GPTQ (`act_order`,
-  `clip_search`) on the scaled model. In place; returns (the plan, {pair: [α per layer]}).
+  """AWQ scaling, then round-to-nearest or, with `gptq=True`, GPTQ (`act_order`) on the
+  scaled model. In place; returns (the plan, {pair: [α per layer]}).
 
-  Rounding takes each group's full range: formats.scales_for's clipping search weighs
-  every row alike, so it clips the rows the scaling just enlarged for their energy (on
-  SmolLM2 at int4-g128 it raised perplexity from 16.05 to 17.24; docs/results.md)."""
+  `clip_search` clips each group's range to the least output error, weighted by the
+  scaled inputs' second moment (AWQ's clipping search, on each projection's outputs).
+  Unweighted, it clipped the rows the scaling had just enlarged for their energy (on
+  SmolLM2 at int4-g128 perplexity rose from 16.05 to 17.24; docs/results.md)."""
   plan = quant_plan(model, rules, fit_groups=fit_groups)
   alphas = awq_scale(model, plan, calib_ids_NT, grid=grid, batch=batch)
   if gptq:
     gptq_quantize(model, rules, calib_ids_NT, fit_groups=fit_groups, act_order=act_order,
                   clip_search=clip_search, batch=batch)
-  else:
-    quantize_model(model, rules, fit_groups=fit_groups)
+    return plan, alphas
+  codes = {}
+  if clip_search:
+    # The scaled inputs' second moments: the walk over the scaled model, whose blocks
+    # compute what they did, so one recording run per block.
+    layer_plan = {p[len("blocks/"):]: f for p, f in plan.items() if p.startswith("blocks/")}
+    walk = BlockHessians(model, layer_plan, calib_ids_NT, batch, rerun=False)
+    for layer, block, hessians in walk:
+      local = params_by_path(block)
+      for p, fmt in layer_plan.items():
+        w_KM = to_matrix(np.asarray(local[p][...], np.float32), *axes_of(p))
+        codes[("blocks/" + p, layer)] = encode(w_KM, fmt, p, hessians[p])
+  quantize_model(model, rules, fit_groups=fit_groups,
+                 method=lambda path, layer, w_KM, fmt: codes.get((path, layer))
+                 or encode(w_KM, fmt, path))
   return plan, alphas

@@ -54,8 +54,10 @@ def abstract_qarray(path: str, shape, fmt: QuantFormat) -> QArray:
   if letters[0] not in in_letters:   # output-major storage (QArray.out_first)
     codes_shape, scale_shape = (m, k // g, rows), (m, k // g)
   scale = sds(lead + scale_shape, np.float16)  # scales are stored as float16
-  return QArray(sds(lead + codes_shape, codes_dtype), scale,
-                None if fmt.symmetric else scale, fmt, letters, in_letters, dims)
+  offset = None if fmt.symmetric else sds(lead + scale_shape,
+                                          np.uint8 if fmt.int_zero else np.float16)
+  return QArray(sds(lead + codes_shape, codes_dtype), scale, offset, fmt, letters, in_letters,
+                dims)
 
 
 def _shapes(tree):

@@ -2,11 +2,12 @@
 
   meshlm quantize --model PATH --format int4-g128 [--method gptq|awq|awq-gptq|rtn] [--calib DATA]
                   [--calib_samples 64] [--calib_len 256] [--embeddings same|int8|none]
-                  [--fit_groups] --out DIR
+                  [--fit_groups] [--tune_epochs N [--tune_lr 2e-3]] --out DIR
 
 --model takes what `meshlm generate` takes (workdir, HF directory, .gguf).
---calib (every method but rtn) is a .txt file, or .json/.jsonl records whose "instruction" +
-"output" (else "text") strings are used.
+--calib (every method but rtn, and tuning) is a .txt file, or .json/.jsonl records whose
+"instruction" + "output" (else "text") strings are used. --tune_epochs then trains the
+group scales toward the float model on it (infer/quant/tune.py).
 """
 
 import json
@@ -21,7 +22,8 @@ from absl import flags
 def _flags(argv: list[str]):
   fv = flags.FlagValues()
   flags.DEFINE_string("model", None, "meshlm workdir, HF directory or .gguf file", flag_values=fv)
-  flags.DEFINE_string("format", None, "int8, int8-asym, int4-gN, int4-gN-asym (e.g. int4-g128)",
+  flags.DEFINE_string("format", None, "int8, int8-asym, int8-zp, int4-gN, int4-gN-asym, "
+                      "int4-gN-zp (e.g. int4-g128)",
                       flag_values=fv)
   flags.DEFINE_enum("method", "gptq", ["gptq", "awq", "awq-gptq", "rtn"],
                     "calibrated (needs --calib): gptq, awq (activation-aware scaling, then "
@@ -38,8 +40,12 @@ def _flags(argv: list[str]):
                       flag_values=fv)
   flags.DEFINE_bool("act_order", True, "GPTQ: rows in decreasing Hessian diagonal order, "
                     "group scales fixed up front", flag_values=fv)
-  flags.DEFINE_bool("clip_search", True, "GPTQ (gptq, awq-gptq): each group's range by least "
-                    "squared error", flag_values=fv)
+  flags.DEFINE_bool("clip_search", True, "each group's range by least squared error (gptq, "
+                    "awq-gptq) or least output error (awq)", flag_values=fv)
+  flags.DEFINE_integer("tune_epochs", 0, "after quantizing, train the group scales for this "
+                       "many epochs over the calibration text (needs --calib)", flag_values=fv)
+  flags.DEFINE_float("tune_lr", 2e-3, "scale tuning: Adam learning rate of log-scales",
+                     flag_values=fv)
   try:
     fv(["meshlm"] + argv)
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
@@ -138,9 +144,15 @@ def run(fv) -> None:
   emb = {"same": "same", "int8": "int8", "none": None}[fv["embeddings"].value]
   calib = fv["calib"].value
   # Everything checkable without the model fails before the (slow) load.
+  tune_epochs = fv["tune_epochs"].value
   if method != "rtn" and calib is None:
     raise ValueError(f"--method {method} needs calibration text: --calib FILE "
                      "(.txt/.json/.jsonl); or use --method rtn")
+  if tune_epochs and calib is None:
+    raise ValueError(f"--tune_epochs={tune_epochs} needs calibration text: --calib FILE")
+  if tune_epochs < 0 or not fv["tune_lr"].value > 0:
+    raise ValueError(f"--tune_epochs={tune_epochs} must be >= 0 and --tune_lr="
+                     f"{fv['tune_lr'].value} > 0")
   if calib is not None and not os.path.isfile(calib):
     raise FileNotFoundError(f"calibration file {calib} does not exist")
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -151,7 +163,7 @@ def run(fv) -> None:
   rules = default_rules(fmt.name, emb)
   before = weight_bytes(model)
   calib_info = None
-  if method != "rtn":
+  if method != "rtn" or tune_epochs:
     if tokenizer is None:
       raise ValueError(f"{fv['model'].value} has no tokenizer to encode the calibration text")
     length = fv["calib_len"].value
@@ -161,6 +173,7 @@ def run(fv) -> None:
     ids_NT = calibration_ids(calib, tokenizer, fv["calib_samples"].value, length)
     calib_info = dict(path=os.path.abspath(calib), samples=int(ids_NT.shape[0]),
                       length=int(ids_NT.shape[1]))
+  if method != "rtn":
     options = dict(fit_groups=fv["fit_groups"].value, act_order=fv["act_order"].value,
                    clip_search=fv["clip_search"].value)
     if method == "gptq":
@@ -173,6 +186,15 @@ def run(fv) -> None:
     calib_info.update(act_order=fv["act_order"].value, clip_search=fv["clip_search"].value)
   else:
     plan = quantize_model(model, rules, fit_groups=fv["fit_groups"].value)
+  if tune_epochs:
+    from infer.quant.tune import tune_scales
+    teacher, _ = load_any(fv["model"].value, command="quantize")
+    batch = min(8, int(ids_NT.shape[0]))
+    kl = tune_scales(model, teacher, ids_NT, epochs=tune_epochs, batch=batch,
+                     lr=fv["tune_lr"].value)["kl"]
+    calib_info["tune"] = dict(epochs=tune_epochs, lr=fv["tune_lr"].value, batch=batch,
+                              kl_first=kl[0], kl_last=kl[-1])
+    del teacher
   after = weight_bytes(model)
   meta = dict(method=method, format=fmt.name, embeddings=fv["embeddings"].value,
               fit_groups=fv["fit_groups"].value, source=os.path.abspath(fv["model"].value),

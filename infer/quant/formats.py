@@ -6,6 +6,11 @@ column (INT8 default: one group spanning all of K, i.e. per output channel).
 
   symmetric   w ≈ scale · q,            q ∈ [-127, 127] (INT8) or [-8, 7] (INT4)
   asymmetric  w ≈ scale · u + offset,   u ∈ [0, 2^bits - 1]  (offset = group min)
+  zero-point  w ≈ scale · (u - z),      u, z ∈ [0, 2^bits - 1] (z an integer per group)
+
+Asymmetric ("-asym") stores a float16 offset per group, as GGUF's Q4_1 does;
+zero-point ("-zp") stores the offset as an integer code z, one byte per group,
+as GPTQ and AWQ checkpoints do: the same grid shape for 8 bits instead of 16.
 
 Round-to-nearest scales: INT8 absmax/127; symmetric INT4 as llama.cpp's Q4_0,
 the group's signed extreme m at code -8 exactly (scale -m/8), which measured
@@ -23,7 +28,7 @@ import re
 
 import numpy as np
 
-_NAME = re.compile(r"^int(8|4)(?:-g(\d+))?(-asym)?$")
+_NAME = re.compile(r"^int(8|4)(?:-g(\d+))?(-asym|-zp)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +36,7 @@ class QuantFormat:
   bits: int                 # 8 or 4
   group: int | None = None  # rows of K per scale; None: all of K (per output channel)
   symmetric: bool = True
+  int_zero: bool = False    # asymmetric with an integer zero point z (offset = -z·scale)
 
   def __post_init__(self):
     if self.bits not in (4, 8):
@@ -39,11 +45,13 @@ class QuantFormat:
       raise ValueError(f"group size {self.group} must be an even number >= 2")
     if self.bits == 4 and self.group is None:
       raise ValueError("INT4 needs a group size, e.g. int4-g128")
+    if self.int_zero and self.symmetric:
+      raise ValueError("an integer zero point is an asymmetric format (symmetric=False)")
 
   @property
   def name(self) -> str:
     g = f"-g{self.group}" if self.group else ""
-    return f"int{self.bits}{g}{'' if self.symmetric else '-asym'}"
+    return f"int{self.bits}{g}{'' if self.symmetric else '-zp' if self.int_zero else '-asym'}"
 
   @property
   def levels(self) -> int:
@@ -55,13 +63,13 @@ class QuantFormat:
 
 
 def parse_format(name: str) -> QuantFormat:
-  """'int8', 'int8-asym', 'int4-g128', 'int4-g32-asym', ... -> QuantFormat."""
+  """'int8', 'int8-asym', 'int4-g128', 'int4-g32-asym', 'int4-g128-zp', ... -> QuantFormat."""
   m = _NAME.match(str(name))
   if not m:
-    raise ValueError(f"unknown quantization format {name!r}; use int8[-gN][-asym] or "
-                     "int4-gN[-asym], e.g. int8, int4-g128, int4-g32-asym")
-  bits, group, asym = int(m.group(1)), m.group(2), bool(m.group(3))
-  return QuantFormat(bits, int(group) if group else None, not asym)
+    raise ValueError(f"unknown quantization format {name!r}; use int8[-gN][-asym|-zp] or "
+                     "int4-gN[-asym|-zp], e.g. int8, int4-g128, int4-g32-asym, int4-g128-zp")
+  bits, group, kind = int(m.group(1)), m.group(2), m.group(3)
+  return QuantFormat(bits, int(group) if group else None, kind is None, kind == "-zp")
 
 
 def check_group(fmt: QuantFormat, k: int, where: str) -> int:
@@ -87,14 +95,18 @@ def _f16(x, direction):
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
-def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False):
-  """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1).
+def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False, h_Ggg=None):
+  """(scale_GM, offset_GM or None) for round-to-nearest over each group (axis 1); for
+  zero-point formats the offset is the zero code z (float32 holding integers).
 
   Scales and offsets are stored as float16 (as GGUF does): the scale is rounded
   up and the offset down to float16 values, so every weight still quantizes
   within half a step of the stored grid. `search` instead picks, per group and
   column, the shrink of the range in CLIP_GRID with the least squared error
-  (clipping a few outliers for a finer grid), as calibrated methods do.
+  (clipping a few outliers for a finer grid), as calibrated methods do; given
+  the inputs' second moment over each group's rows, h_Ggg, the error is the
+  group's share of the output error, dᵀ·h·d, so rows with more input energy
+  weigh more (AWQ's clipping search measures it on the outputs too).
   """
   if search:
     best, best_err = None, None
@@ -102,7 +114,11 @@ def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False):
       scale, offset = scales_for(w_GgM * alpha, fmt)
       off = None if offset is None else offset[:, None]
       codes = quantize_values(w_GgM, scale[:, None], off, fmt)
-      err = ((dequantize_values(codes, scale[:, None], off, fmt) - w_GgM) ** 2).sum(axis=1)
+      d_GgM = dequantize_values(codes, scale[:, None], off, fmt) - w_GgM
+      if h_Ggg is None:
+        err = (d_GgM ** 2).sum(axis=1)
+      else:
+        err = np.einsum("Ggm,Ggh,Ghm->Gm", d_GgM, h_Ggg, d_GgM, optimize=True)
       if best is None:
         best, best_err = (scale, offset), err
         continue
@@ -121,6 +137,13 @@ def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False):
     m = np.take_along_axis(w_GgM, np.abs(w_GgM).argmax(axis=1)[:, None], axis=1)[:, 0]
     scale = np.sign(m) * -_f16(np.abs(m) / 8, 1)
     return np.where(scale == 0, 1.0, scale).astype(np.float32), None
+  if fmt.int_zero:
+    # The range is widened to include 0 so that z = -lo/scale falls in [0, levels - 1];
+    # rounding z moves the grid by under half a step, which the ends still cover.
+    lo, hi = np.minimum(w_GgM.min(axis=1), 0), np.maximum(w_GgM.max(axis=1), 0)
+    scale = _f16((hi - lo) / (fmt.levels - 1), 1)
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    return scale, np.clip(np.rint(-lo / scale), 0, fmt.levels - 1).astype(np.float32)
   lo = _f16(w_GgM.min(axis=1), -1)
   scale = _f16((w_GgM.max(axis=1) - lo) / (fmt.levels - 1), 1)
   return np.where(scale == 0, 1.0, scale).astype(np.float32), lo
@@ -134,6 +157,8 @@ def quantize_values(w, scale, offset, fmt: QuantFormat):
     lo, hi = (-127, 127) if fmt.bits == 8 else (-8, 7)
     q = np.clip(np.rint(w / scale), lo, hi)
     return (q + (8 if fmt.bits == 4 else 128)).astype(np.uint8)
+  if fmt.int_zero:   # `offset` is the zero code z
+    return np.clip(np.rint(w / scale) + offset, 0, fmt.levels - 1).astype(np.uint8)
   u = np.clip(np.rint((w - offset) / scale), 0, fmt.levels - 1)
   return u.astype(np.uint8)
 
@@ -143,6 +168,8 @@ def dequantize_values(codes, scale, offset, fmt: QuantFormat, xp=np):
   c = codes.astype(xp.float32)
   if fmt.symmetric:
     return (c - (8.0 if fmt.bits == 4 else 128.0)) * scale
+  if fmt.int_zero:   # `offset` is the zero code z
+    return (c - offset.astype(xp.float32)) * scale
   return c * scale + offset
 
 

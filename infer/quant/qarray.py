@@ -14,7 +14,8 @@ letters, both in the parameter's own order), cut into G groups of g rows:
           whose first axis is an output, an embedding table: rows it looks up stay
           contiguous, and its logits matmul runs at CPU speed only in that order
   scale   [*lead, G, M] float16 (as GGUF stores it; exact: quantizers make float16 values)
-  offset  [*lead, G, M] float16, asymmetric formats only (else None)
+  offset  [*lead, G, M] float16, asymmetric formats only (else None); for zero-point
+          formats uint8, the zero code z
 
 `lead` are stacked axes the arrays gain from the model (the layer axis); a
 layer scan slices them off like any other parameter.

@@ -14,12 +14,18 @@ from infer.quant.qarray import QArray, arrange, to_matrix
 from infer.quant.rules import axes_of, params_by_path, quant_plan
 
 
-def encode(w_KM: np.ndarray, fmt: QuantFormat, where: str = "weight"):
-  """Round-to-nearest: (codes_GgM, scale_GM, offset_GM or None), codes unpacked."""
+def encode(w_KM: np.ndarray, fmt: QuantFormat, where: str = "weight", h_KK=None):
+  """Round-to-nearest: (codes_GgM, scale_GM, offset_GM or None), codes unpacked. Given the
+  inputs' second moment h_KK, each group's range is clipped to the least output error
+  (formats.scales_for's search weighted by the group's block of h)."""
   k, m = w_KM.shape
   g = check_group(fmt, k, where)
   w_GgM = np.asarray(w_KM, np.float32).reshape(k // g, g, m)
-  scale, offset = scales_for(w_GgM, fmt)
+  if h_KK is None:
+    scale, offset = scales_for(w_GgM, fmt)
+  else:
+    h_Ggg = np.stack([h_KK[i:i + g, i:i + g] for i in range(0, k, g)])
+    scale, offset = scales_for(w_GgM, fmt, True, h_Ggg)
   codes = quantize_values(w_GgM, scale[:, None], None if offset is None else offset[:, None], fmt)
   return codes, scale, offset
 
@@ -41,7 +47,9 @@ def to_qarray(parts, fmt: QuantFormat, letters: str, in_letters: str, dims) -> Q
   # float16 storage is exact: scales_for only makes float16 values (checked: codes made for
   # other scales would silently decode wrong).
   scale = _as_f16(np.stack([s for _, s, _ in parts]))
-  offset = None if parts[0][2] is None else _as_f16(np.stack([o for _, _, o in parts]))
+  offset = None if parts[0][2] is None else np.stack([o for _, _, o in parts])
+  if offset is not None:
+    offset = _as_zero_codes(offset, fmt) if fmt.int_zero else _as_f16(offset)
   if not stacked:
     codes, scale, offset = codes[0], scale[0], None if offset is None else offset[0]
   codes, scale, offset = arrange(codes, scale, offset, letters, in_letters)
@@ -55,6 +63,13 @@ def _as_f16(a):
   if not np.array_equal(h.astype(np.float32), np.asarray(a, np.float32)):
     raise ValueError("quantization scales/offsets must be float16 values (see formats.scales_for)")
   return h
+
+
+def _as_zero_codes(z, fmt: QuantFormat):
+  u = np.asarray(z).astype(np.uint8)
+  if not np.array_equal(u, z) or u.max(initial=0) >= fmt.levels:
+    raise ValueError(f"zero points of {fmt.name} must be integers in [0, {fmt.levels - 1}]")
+  return u
 
 
 def layer_matrices(path: str, value) -> tuple[list[np.ndarray] | np.ndarray, tuple, bool]:

@@ -13,6 +13,7 @@ The contraction letters of each parameter (the axes its einsum sums over) are
 fixed by the model code and listed in CONTRACTS.
 """
 
+import dataclasses
 import math
 import re
 
@@ -62,7 +63,7 @@ def fit_group(fmt: QuantFormat, k: int) -> QuantFormat:
   g = fmt.group_for(k)
   while fmt.group and k % g and (g // 2) % 2 == 0 and g > 8:   # groups stay even
     g //= 2
-  return fmt if g == fmt.group_for(k) else QuantFormat(fmt.bits, g, fmt.symmetric)
+  return fmt if g == fmt.group_for(k) else dataclasses.replace(fmt, group=g)
 
 
 def quant_plan(model, rules, *, fit_groups: bool = False) -> dict[str, QuantFormat]:
