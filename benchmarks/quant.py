@@ -10,7 +10,11 @@ runs/quickstart`), each format quantizes the float32 model afresh:
   | int4-g128 AWQ+GPTQ | the same, scales tuned (TUNE) | int4-g32 RTN
 
 (GPTQ with act_order and clip_search, as `meshlm quantize` runs it.) --int4_kind picks
-symmetric, -asym or -zp INT4.
+symmetric, -asym or -zp INT4; the default is -zp, one integer zero point per group, as
+GPTQ and AWQ checkpoints store it. Calibration uses up to 192 windows of 256 tokens (all
+191 of SmolLM2's calibration text) and perplexity up to 96 held-out windows (all 82 of
+SmolLM2's). Sessions before 12-03 (evening) ran with --int4_kind sym --calib_samples 64
+--eval_samples 32, which reproduce their numbers in docs/results.md.
 
 Every projection takes the format and the (tied) embedding/LM head takes it too for
 int8, int8 for the INT4 rows; `fit_groups` halves a group
@@ -198,13 +202,15 @@ def main(argv=None):
   p.add_argument("--formats", default="", help="comma-separated subset of the format labels")
   p.add_argument("--gptq_act_order", type=int, default=1, help="1/0")
   p.add_argument("--gptq_clip_search", type=int, default=1, help="1/0")
-  p.add_argument("--int4_kind", choices=("sym", "asym", "zp"), default="sym",
+  p.add_argument("--int4_kind", choices=("sym", "asym", "zp"), default="zp",
                  help="INT4 rows: symmetric, asymmetric with float16 offsets (-asym) or with "
                       "integer zero points (-zp)")
   p.add_argument("--int4_asym", action="store_const", dest="int4_kind", const="asym",
                  help="same as --int4_kind asym")
   p.add_argument("--calib_samples", type=int, default=0,
-                 help="calibration windows of seq_len tokens (default 64; 8 with --quick)")
+                 help="calibration windows of seq_len tokens, at most (default 192; 8 with --quick)")
+  p.add_argument("--eval_samples", type=int, default=0,
+                 help="held-out windows of seq_len tokens, at most (default 96; 4 with --quick)")
   p.add_argument("--embeddings", default="auto",
                  help="embedding/LM head format: auto (int8 for INT4 rows), same, int8, ...")
   p.add_argument("--quickstart", default=os.path.join(REPO, "runs", "quickstart"),
@@ -212,8 +218,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   args.formats = [f for f in args.formats.split(",") if f]
   big = not args.quick
-  args.eval_samples = 32 if big else 4
-  args.calib_samples = args.calib_samples or (64 if big else 8)
+  args.eval_samples = args.eval_samples or (96 if big else 4)
+  args.calib_samples = args.calib_samples or (192 if big else 8)
   args.seq_len, args.prompt_len = (256, 32) if big else (64, 16)
   args.new_tokens, args.repeats = (64, 3) if big else (8, 1)
 
@@ -221,7 +227,7 @@ def main(argv=None):
   out = {"benchmark": "quant", "backend": jax.default_backend(), "cpus": cpu_count(),
          "embeddings": args.embeddings, "gptq_act_order": args.gptq_act_order,
          "gptq_clip_search": args.gptq_clip_search, "int4_kind": args.int4_kind,
-         "calib_samples": args.calib_samples, "tune": TUNE,
+         "calib_samples": args.calib_samples, "eval_samples": args.eval_samples, "tune": TUNE,
          "targets": TARGETS, "models": {}}
   for name in args.models.split(","):
     if name == "smollm":

@@ -20,9 +20,10 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
     assert math.isfinite(row["ppl"]) and row["ppl"] > 1, (label, row)
     assert row["decode_tokens_per_s"] > 0
   assert rows["float32"]["bytes_ratio"] == 1.0
-  # d_model 32, mlp 64: int4-g128 is fitted to g32 on six projections, g64 on the MLP output,
-  # and the plan says so; the embedding stays int8.
-  assert rows["int4-g128-gptq"]["groups_used"] == {"int4-g32": 6, "int4-g64": 1, "int8": 1}
+  # d_model 32, mlp 64: int4-g128 (zero-point by default) is fitted to g32 on six
+  # projections, g64 on the MLP output, and the plan says so; the embedding stays int8.
+  assert out["int4_kind"] == "zp"
+  assert rows["int4-g128-gptq"]["groups_used"] == {"int4-g32-zp": 6, "int4-g64-zp": 1, "int8": 1}
   assert rows["int8"]["bytes_ratio"] < 0.3 and rows["int4-g32"]["bytes_ratio"] < 0.3
   for label in quant.CALIBRATED:
     assert rows[label]["groups_used"] == rows["int4-g128-gptq"]["groups_used"], label
