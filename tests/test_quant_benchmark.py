@@ -18,7 +18,7 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
   assert list(rows) == [label for label, _, _ in quant.FORMATS]
   for label, row in rows.items():
     assert math.isfinite(row["ppl"]) and row["ppl"] > 1, (label, row)
-    assert row["decode_tokens_per_s"] > 0
+    assert row["decode_tokens_per_s"] > 0 and row["decode_speed_ratio_median_round"] > 0
   assert rows["float32"]["bytes_ratio"] == 1.0
   # d_model 32, mlp 64: int4-g128 (zero-point by default) is fitted to g32 on six
   # projections, g64 on the MLP output, and the plan says so; the embedding stays int8.
@@ -27,6 +27,7 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
   assert rows["int8"]["bytes_ratio"] < 0.3 and rows["int4-g32"]["bytes_ratio"] < 0.3
   for label in quant.CALIBRATED:
     assert rows[label]["groups_used"] == rows["int4-g128-gptq"]["groups_used"], label
+  assert out["models"]["quickstart"]["decode_rounds"] == 1
   met = out["models"]["quickstart"]["targets_met"]
   assert set(met) >= {"int8_ppl", "calibrated_int4_ppl", "calibrated_beats_rtn_ppl"}
   assert set(met["calibrated_int4_ppl"]) == {"gptq", "awq", "awq-gptq", "awq-gptq-tuned"}
