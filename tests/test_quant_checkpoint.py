@@ -217,6 +217,30 @@ def test_quantize_then_generate_end_to_end(tmp_path, workdir):
   assert run.stdout.strip()
 
 
+def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir):
+  """`meshlm serve` started on `meshlm quantize`'s output, asked over real HTTP, answers with
+  the tokens the engine gives the reloaded checkpoint."""
+  from serve_util import ServeProcess
+  out = str(tmp_path / "q")
+  main(["quantize", "--model", workdir, "--format", "int4-g32-zp", "--method", "rtn",
+        "--embeddings", "int8", "--out", out])
+  model, tokenizer = load_quantized(out)
+  tokens = _greedy(model, tokenizer, n=6)
+  assert tokens
+  server = ServeProcess(["--model", out, "--max-model-len", "64", "--max-num-seqs", "2",
+                         "--max-tokens", "16"], str(tmp_path / "serve.log"))
+  try:
+    with server.client() as client:
+      model_id = client.get("/v1/models").json()["data"][0]["id"]
+      reply = client.post("/v1/completions", json={"model": model_id, "prompt": PROMPT,
+                                                    "max_tokens": 6, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == tokenizer.decode(tokens)
+    assert reply.json()["usage"]["completion_tokens"] == len(tokens)
+  finally:
+    server.stop()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("infer.quant.gptq") is None,
                     reason="infer/quant/gptq.py not present")
 @pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])
