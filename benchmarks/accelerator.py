@@ -83,7 +83,7 @@ SIZES = {
         "decode": dict(batches=(1, 16, 64), prompt=128, new=128, dtype="bfloat16"),
         "speculative": dict(prompts=3, prompt=128, new=128, gamma=4, draft_layers=4,
                             dtype="bfloat16"),
-        "quant": dict(prompt=128, new=128, repeats=2),
+        "quant": dict(prompt=128, new=128, repeats=5),
         "decode_model": _350M,
     },
     "toy": {
