@@ -6,7 +6,8 @@
       print(token.text, end="")
 
 A batch of up to `max_batch` requests runs together: one jitted prefill over
-the right-padded prompts (length bucketed to a power of two, at least 16),
+the right-padded prompts (length bucketed by kv_cache.bucket: at least 16,
+under 25% padding),
 then one jitted decode step per token for the whole batch, the cache of
 `max_seq_len` slots per row donated from step to step (infer/kv_cache.py;
 `kv_dtype="int8"` stores it as int8 with per-token scales, about 1/4 of the

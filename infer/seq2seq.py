@@ -3,8 +3,8 @@
     engine = Seq2SeqEngine(model, tokenizer, max_seq_len=128, max_batch=8)
     results = engine.generate(["translate English to German: Hi"], SamplingParams(max_tokens=32))
 
-A batch of up to `max_batch` sources is right-padded (length bucketed to a power of
-two; encoder segment ids 0 on the padding, which no query ever attends) and
+A batch of up to `max_batch` sources is right-padded (length bucketed by
+kv_cache.bucket; encoder segment ids 0 on the padding, which no query ever attends) and
 encoded once, and every decoder layer's cross-attention keys and values of it
 are computed then too (`EncoderDecoder.cross_kv`), not once per token. The decoder then starts every row from the decoder start token
 (`cfg.bos_id`; T5: pad, 0) and runs one jitted step per token over the

@@ -92,8 +92,11 @@ def test_a_finished_row_leaves_its_cache_alone(model):
 
 
 def test_bucketing():
-  assert [kv_cache.bucket(n, 64) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
-  assert kv_cache.bucket(40, 48) == 48
+  sizes = [kv_cache.bucket(n, 1024) for n in (1, 16, 17, 21, 33, 64, 65, 100, 129, 1000)]
+  assert sizes == [16, 16, 20, 24, 40, 64, 80, 112, 160, 1024]
+  assert all(kv_cache.bucket(n, 4096) - n < 0.25 * n for n in range(17, 4097))
+  assert len({kv_cache.bucket(n, 4096) for n in range(1, 4097)}) == 1 + 4 * 8
+  assert kv_cache.bucket(33, 36) == 36 and kv_cache.bucket(5, 8) == 8
   with pytest.raises(ValueError, match="49 tokens do not fit in a cache of 48 slots"):
     kv_cache.bucket(49, 48)
 
