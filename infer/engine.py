@@ -7,11 +7,11 @@
 
 A batch of up to `max_batch` requests runs together: one jitted prefill over
 the right-padded prompts (length bucketed by kv_cache.bucket: at least 16,
-under 25% padding),
-then one jitted decode step per token for the whole batch, the cache of
-`max_seq_len` slots per row donated from step to step (infer/kv_cache.py;
-`kv_dtype="int8"` stores it as int8 with per-token scales, about 1/4 of the
-float32 bytes).
+under 25% padding), then one jitted decode step per token for the whole batch,
+the cache of `max_seq_len` slots per row donated from step to step
+(infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token scales,
+about 1/4 of the float32 bytes). A float cache of several rows is read only up
+to the power of two above the batch's longest row (`kv_cache.width_for`).
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
@@ -121,11 +121,12 @@ def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dt
   return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], segment_ids_BT[:, :1] > 0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_BV"))
-def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step):
+@functools.partial(jax.jit, static_argnames=("graphdef", "width"),
+                   donate_argnames=("cache", "seen_BV"))
+def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, width=None):
   model = nnx.merge(graphdef, state)
   logits_BV, cache = kv_cache.forward(model, token_B[:, None], active_B[:, None].astype(jnp.int32),
-                                      cache)
+                                      cache, width=width)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full(token_B.shape, step, jnp.int32))
   return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], active_B[:, None])
 
@@ -253,10 +254,15 @@ class Engine:
         self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
         max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each step, replaced by its result
+    longest = max(len(r.prompt_ids) for r in requests)
+    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
 
     def advance(token_B, active_B, step):
+      # Step s writes row i's slot len(prompt_i) + s - 1: attend over the power of two above.
+      width = kv_cache.width_for(longest + step, self.max_seq_len) if narrow else None
       token_B, logprob_B, carry["cache"], carry["seen"] = _decode(
-          self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step)
+          self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step,
+          width=width)
       return token_B, logprob_B
 
     yield from self._host_loop(requests, b, token_B, logprob_B, advance)

@@ -14,7 +14,9 @@ chunks are bucketed (`bucket`), so a few compilations serve every request.
 A float cache of more than one row is read in place: each layer attends over
 its slice of the cache with the chunk written into that slice's copy, hands
 the chunk's keys and values out of the layer scan, and they are written into
-the (donated) cache once after it. Returning each layer's updated slice
+the (donated) cache once after it. A `width` cuts that slice to the slots a
+batch holds (the engine passes the power of two above its longest row), so an
+early step does not pay for the whole context. Returning each layer's updated slice
 instead (as one-row and int8 caches do) makes the scan copy the whole cache
 every step.
 
@@ -144,6 +146,7 @@ class _Slots:
   index_B: jax.Array
   prefix_BS: jax.Array | None = None
   cache: KVCache | None = None  # set: a float cache read in place, layer_cache is the layer
+  width: int | None = None  # in place: attend over slots [0, width) only
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
@@ -152,7 +155,9 @@ class _Slots:
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                segment_ids_BT, cfg, bias_fn)
     if self.cache is not None:  # layer_cache is the layer: read its slice of the cache
-      layer_cache = (self.cache.k_LBSKH[layer_cache], self.cache.v_LBSKH[layer_cache])
+      w = self.width or self.cache.max_len
+      layer_cache = (self.cache.k_LBSKH[layer_cache, :, :w],
+                     self.cache.v_LBSKH[layer_cache, :, :w])
     k_BSKH, v_BSKH = layer_cache
     names = KV_AXES[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
@@ -178,21 +183,25 @@ class _Slots:
     return out_BTNH, (k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK)
 
   def _attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn):
+    s = k_BSKH.shape[1]  # the slots read: all, or the first `width`
+    prefix_BS = None if self.prefix_BS is None else self.prefix_BS[:, :s]
     return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
-                     kv_segment_ids_BS=self.segment_ids_BS, q_positions_BT=positions_BT,
-                     kv_positions_BS=self.positions_BS, causal=True,
+                     kv_segment_ids_BS=self.segment_ids_BS[:, :s], q_positions_BT=positions_BT,
+                     kv_positions_BS=self.positions_BS[:, :s], causal=True,
                      sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl,
-                     scale=cfg.scale, bias_fn=bias_fn, kv_prefix_BS=self.prefix_BS)
+                     scale=cfg.scale, bias_fn=bias_fn, kv_prefix_BS=prefix_BS)
 
 
-def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False):
+def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False, width=None):
   """Appends a chunk to every row: (logits, cache).
 
   logits_BV at each row's last real token, or with `all_logits` logits_BTV
   at every chunk position. `segment_ids_BT` is 1 for real tokens, 0 for
   padding, and a row's padding comes after its real tokens; a row with none (a
   finished request) leaves its cache as it was, bar an empty slot. The caller
-  keeps lengths + T <= S.
+  keeps lengths + T <= S, and with `width` (a static int) lengths + T <= width: a cache read
+  in place then attends over slots [0, width) only, so a step's attention costs what the
+  batch holds, not what the cache could (a one-row or int8 cache ignores it).
   """
   t = tokens_BT.shape[1]
   real_BT = (segment_ids_BT > 0).astype(jnp.int32)
@@ -206,10 +215,10 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
     prefix_BS = write_rows(cache.prefix_BS, first_BT, index_B)
   # Measured on XLA:CPU: in place wins from batch 2 up (SmolLM2, batch 8: +60% tokens/s) but
   # costs a one-row step ~0.6 ms of fixed overhead, which a small model's step notices.
-  in_place = cache.k_scale_LBSK is None and cache.k_LBSKH.shape[1] > 1
+  in_place = reads_in_place(cache.k_LBSKH.shape[1], cache.k_scale_LBSK is not None)
   slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B),
                  write_rows(cache.positions_BS, positions_BT, index_B), index_B, prefix_BS,
-                 cache if in_place else None)
+                 cache if in_place else None, width if in_place else None)
   layers = jnp.arange(cache.k_LBSKH.shape[0]) if in_place else cache.layers
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
   # k, v: the updated cache (k_LBSKH), or in place only the chunk's keys and values (k_LBTKH)
@@ -241,3 +250,18 @@ def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
     return min(minimum, limit)
   step = max((1 << (n - 1).bit_length()) // 8, 1)
   return min(-(-n // step) * step, limit)
+
+
+def reads_in_place(rows: int, int8: bool) -> bool:
+  """Whether `forward` reads a cache of `rows` rows in place (module docstring), and so
+  honours its `width`."""
+  return rows > 1 and not int8
+
+
+def width_for(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
+  """The slots a decode step reads when a row holds up to n tokens: the next power of two
+  >= max(n, minimum), at most `limit` (few widths, so few compilations)."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return min(size, limit)

@@ -91,6 +91,29 @@ def test_a_finished_row_leaves_its_cache_alone(model):
   np.testing.assert_array_equal(after.k_LBSKH[:, :, :3], cache.k_LBSKH[:, :, :3])
 
 
+def test_decode_reads_only_the_slots_in_use(model):
+  """A batch's decode steps attend over the power of two above its longest row (16, then 32
+  here: 14 + 12 tokens), with the same tokens and logprobs as recomputing every step."""
+  prompts = [PROMPTS[1][:14], PROMPTS[0]]
+  assert [kv_cache.width_for(n, 64) for n in (1, 15, 16, 17, 26, 100)] == [16, 16, 16, 32, 32, 64]
+  assert kv_cache.reads_in_place(2, False) and not kv_cache.reads_in_place(1, False)
+  results = Engine(model, CharTokenizer(), max_batch=2).generate(
+      prompts, SamplingParams(max_tokens=12, logprobs=True))
+  for prompt, result in zip(prompts, results):
+    ids, logprobs = generate(model, prompt, 12, return_logprobs=True)
+    assert result.token_ids == ids
+    np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=LOGPROB_TOL)
+  tokens_BT = jnp.asarray([prompts[0], prompts[1] + [0] * 11], jnp.int32)
+  _, cache = kv_cache.forward(model, tokens_BT, (tokens_BT > 0).astype(jnp.int32),
+                              kv_cache.init(model.cfg, 2, 64))
+  step = jnp.asarray([[11], [12]], jnp.int32), jnp.ones((2, 1), jnp.int32)
+  full_BV, full = kv_cache.forward(model, *step, cache)
+  narrow_BV, narrow = kv_cache.forward(model, *step, cache, width=16)
+  np.testing.assert_allclose(narrow_BV, full_BV, rtol=0, atol=LOGPROB_TOL)
+  for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(full)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_bucketing():
   sizes = [kv_cache.bucket(n, 1024) for n in (1, 16, 17, 21, 33, 64, 65, 100, 129, 1000)]
   assert sizes == [16, 16, 20, 24, 40, 64, 80, 112, 160, 1024]
