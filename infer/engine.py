@@ -7,11 +7,12 @@
 
 A batch of up to `max_batch` requests runs together: one jitted prefill over
 the right-padded prompts (length bucketed by kv_cache.bucket: at least 16,
-under 25% padding), then one jitted decode step per token for the whole batch,
-the cache of `max_seq_len` slots per row donated from step to step
-(infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token scales,
-about 1/4 of the float32 bytes). A float cache of several rows is read only up
-to the power of two above the batch's longest row (`kv_cache.width_for`).
+under 25% padding), or over the prompts packed into one row where that is
+shorter (a decoder with a float cache), then one jitted decode step per token
+for the whole batch, the cache of `max_seq_len` slots per row donated from step
+to step (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
+scales, about 1/4 of the float32 bytes). A float cache of several rows is read
+only up to the power of two above the batch's longest row (`kv_cache.width_for`).
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
@@ -121,6 +122,19 @@ def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dt
   return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], segment_ids_BT[:, :1] > 0)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "batch", "max_len", "kv_dtype"))
+def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B, rows,
+                    *, batch, max_len, kv_dtype=None):
+  model = nnx.merge(graphdef, state)
+  cache = kv_cache.init(model.cfg, batch, max_len, kv_dtype)
+  logits_BV, cache = kv_cache.prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P,
+                                             last_B, cache)
+  seen_BV = jnp.zeros(logits_BV.shape, bool).at[row_P, tokens_1P[0]].set(True, mode="drop")
+  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros((batch,), jnp.int32))
+  return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None],
+                                              (cache.lengths_B > 0)[:, None])
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "width"),
                    donate_argnames=("cache", "seen_BV"))
 def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, width=None):
@@ -165,6 +179,7 @@ class Engine:
   """KV-cached generation for a model and its tokenizer; see the module docstring."""
 
   ARCHS = ("decoder", "prefix_lm")  # a prefix-LM's prompt is its bidirectional prefix
+  PACK_MAX = 1024  # the longest packed prefill row (see _packed)
 
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
                kv_dtype: str | None = None):
@@ -180,7 +195,7 @@ class Engine:
     if max_batch < 1:
       raise ValueError(f"Engine max_batch={max_batch} must be >= 1")
     self.tokenizer = tokenizer
-    self.vocab_size = model.cfg.vocab_size
+    self.vocab_size, self.arch = model.cfg.vocab_size, model.cfg.arch
     self.max_seq_len, self.max_batch, self.kv_dtype = max_seq_len, max_batch, kv_dtype
     # keys, values (and int8 scales) of a full batch: the cache's peak footprint
     self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
@@ -245,14 +260,42 @@ class Engine:
       segment_ids_BT[i, :len(r.prompt_ids)] = 1
     return b, ids_BT, segment_ids_BT
 
+  def _packed(self, requests: list[_Request], b: int, padded_tokens: int):
+    """The prompts packed into one row for `_prefill_packed` (kv_cache.prefill_packed), or None
+    where that does not apply or saves nothing: it needs a decoder-only model and a float
+    cache, and fewer tokens than padding every prompt to the longest. At most PACK_MAX
+    tokens, since attention over the packed row computes (and masks) the scores between
+    prompts too."""
+    total = sum(len(r.prompt_ids) for r in requests)
+    if self.arch != "decoder" or self.kv_dtype is not None or total > self.PACK_MAX:
+      return None
+    p = kv_cache.bucket(total, self.PACK_MAX)
+    if p >= padded_tokens:
+      return None
+    tokens, segments, positions = (np.zeros((1, p), np.int32) for _ in range(3))
+    row_P, last_B = np.full((p,), b, np.int32), np.zeros((b,), np.int32)
+    at = 0
+    for i, r in enumerate(requests):
+      m = len(r.prompt_ids)
+      tokens[0, at:at + m], segments[0, at:at + m] = r.prompt_ids, i + 1
+      positions[0, at:at + m], row_P[at:at + m], last_B[i] = np.arange(m), i, at + m - 1
+      at += m
+    return tuple(map(jnp.asarray, (tokens, segments, positions, row_P, last_B)))
+
   def _run(self, requests: list[_Request]) -> Iterator[list[tuple[_Request, Token]]]:
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
     n = len(requests)
     b, tokens_BT, segment_ids_BT = self._padded(requests, self.max_seq_len)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
-    token_B, logprob_B, cache, seen_BV = _prefill(
-        self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
-        max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
+    packed = self._packed(requests, b, tokens_BT.size)
+    if packed is not None:
+      token_B, logprob_B, cache, seen_BV = _prefill_packed(
+          self.graphdef, self.state, *packed, rows, batch=b, max_len=self.max_seq_len,
+          kv_dtype=self.kv_dtype)
+    else:
+      token_B, logprob_B, cache, seen_BV = _prefill(
+          self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
+          max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each step, replaced by its result
     longest = max(len(r.prompt_ids) for r in requests)
     narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")

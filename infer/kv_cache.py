@@ -232,6 +232,51 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+  """What Attention.decode calls per layer at a packed prefill: causal attention within each
+  prompt (segment), handing the keys and values out of the layer scan."""
+
+  def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+             bias_fn=None):
+    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,
+                         kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,
+                         kv_positions_BS=positions_BT, causal=True,
+                         sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl,
+                         scale=cfg.scale, bias_fn=bias_fn)
+    return out_BTNH, (k_BTKH, v_BTKH)
+
+
+def prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B,
+                   cache: KVCache):
+  """Prompts packed into one row: (logits_BV at each row's last prompt token, cache).
+
+  Prompt b's tokens carry segment id b + 1 and positions 0.. in tokens_1P; row_P[p] is the
+  cache row of packed token p (>= B for padding: dropped) and last_B[b] the packed index of
+  row b's last token. The rows of `cache` must be empty. Padding a batch of prompts to its
+  longest costs prefill time in proportion; packing pads the sum once.
+  """
+  if model.cfg.arch != "decoder":
+    raise ValueError(f"packed prefill is for arch='decoder' (got {model.cfg.arch!r}): a "
+                     "prefix-LM marks each row's prompt in its cache")
+  if cache.k_scale_LBSK is not None:
+    raise ValueError("packed prefill fills a float cache: an int8 cache's prefill attends over "
+                     "its quantized keys (forward), as its decode steps do")
+  layers = jnp.arange(cache.k_LBSKH.shape[0])
+  logits_BV, (k_L1PKH, v_L1PKH) = model.decode(tokens_1P, positions_1P, segment_ids_1P, layers,
+                                               _Packed(), last_B)
+  pos_P = positions_1P[0]
+  put = lambda buf, new: buf.at[:, row_P, pos_P].set(new.astype(buf.dtype), mode="drop")
+  k, v = k_L1PKH[:, 0], v_L1PKH[:, 0]
+  real_P = (segment_ids_1P[0] > 0).astype(jnp.int32)
+  slots = lambda buf, new: buf.at[row_P, pos_P].set(new, mode="drop")
+  lengths_B = jnp.zeros_like(cache.lengths_B).at[row_P].add(real_P, mode="drop")
+  cache = cache._replace(k_LBSKH=put(cache.k_LBSKH, k), v_LBSKH=put(cache.v_LBSKH, v),
+                         segment_ids_BS=slots(cache.segment_ids_BS, real_P),
+                         positions_BS=slots(cache.positions_BS, pos_P), lengths_B=lengths_B)
+  return logits_BV, constrain_cache(cache)
+
+
 def truncate(cache: KVCache, lengths_B) -> KVCache:
   """The cache with row b cut back to its first lengths_B[b] tokens (rejected drafts dropped)."""
   keep_BS = jnp.arange(cache.max_len)[None, :] < lengths_B[:, None]

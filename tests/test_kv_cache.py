@@ -114,6 +114,32 @@ def test_decode_reads_only_the_slots_in_use(model):
     np.testing.assert_array_equal(a, b)
 
 
+def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model):
+  """Three prompts packed into one 24-token row (engine: 23 tokens, not 4 rows x 20): the same
+  logits at each last token, keys, values, slots and lengths as the right-padded prefill."""
+  b, t = 4, 20
+  tokens_BT, segment_ids_BT = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+  for i, prompt in enumerate(PROMPTS):
+    tokens_BT[i, :len(prompt)], segment_ids_BT[i, :len(prompt)] = prompt, 1
+  padded_BV, padded = kv_cache.forward(model, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT),
+                                       kv_cache.init(model.cfg, b, 32))
+  engine = Engine(model, CharTokenizer(), max_seq_len=32, max_batch=b)
+  requests = [engine._request(prompt, SamplingParams(max_tokens=4)) for prompt in PROMPTS]
+  packed_args = engine._packed(requests, b, b * t)
+  assert packed_args[0].shape == (1, 24)
+  packed_BV, packed = kv_cache.prefill_packed(model, *packed_args, kv_cache.init(model.cfg, b, 32))
+  n = len(PROMPTS)
+  np.testing.assert_allclose(packed_BV[:n], padded_BV[:n], rtol=0, atol=LOGPROB_TOL)
+  np.testing.assert_array_equal(packed.lengths_B, padded.lengths_B)
+  np.testing.assert_array_equal(packed.segment_ids_BS, padded.segment_ids_BS)
+  real_11BS1 = (padded.segment_ids_BS > 0)[None, :, :, None, None]
+  for ours, theirs in ((packed.k_LBSKH, padded.k_LBSKH), (packed.v_LBSKH, padded.v_LBSKH)):
+    np.testing.assert_allclose(jnp.where(real_11BS1, ours, 0), jnp.where(real_11BS1, theirs, 0),
+                               rtol=0, atol=LOGPROB_TOL)
+  np.testing.assert_array_equal(jnp.where(padded.segment_ids_BS > 0, packed.positions_BS, -1),
+                                jnp.where(padded.segment_ids_BS > 0, padded.positions_BS, -1))
+
+
 def test_bucketing():
   sizes = [kv_cache.bucket(n, 1024) for n in (1, 16, 17, 21, 33, 64, 65, 100, 129, 1000)]
   assert sizes == [16, 16, 20, 24, 40, 64, 80, 112, 160, 1024]
