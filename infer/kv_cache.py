@@ -232,7 +232,6 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
 
 
-@dataclasses.dataclass(frozen=True)
 class _Packed:
   """What Attention.decode calls per layer at a packed prefill: causal attention within each
   prompt (segment), handing the keys and values out of the layer scan."""
@@ -306,7 +305,4 @@ def reads_in_place(rows: int, int8: bool) -> bool:
 def width_for(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
   """The slots a decode step reads when a row holds up to n tokens: the next power of two
   >= max(n, minimum), at most `limit` (few widths, so few compilations)."""
-  size = minimum
-  while size < n:
-    size *= 2
-  return min(size, limit)
+  return min(max(minimum, 1 << (n - 1).bit_length()), limit)

@@ -112,6 +112,16 @@ def test_decode_reads_only_the_slots_in_use(model):
   np.testing.assert_allclose(narrow_BV, full_BV, rtol=0, atol=LOGPROB_TOL)
   for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(full)):
     np.testing.assert_array_equal(a, b)
+  # ... and the narrow step does less work (XLA's cost model of the compiled step).
+  graphdef, state = nnx.split(model)
+  step_fn = jax.jit(lambda st, c, w: kv_cache.forward(nnx.merge(graphdef, st), *step, c, width=w),
+                    static_argnums=2)
+  flops = lambda w: _first(step_fn.lower(state, cache, w).compile().cost_analysis())["flops"]
+  assert flops(16) < flops(None)
+
+
+def _first(cost):
+  return cost[0] if isinstance(cost, list) else cost
 
 
 def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model):
