@@ -132,3 +132,17 @@ def test_chaos_soak_tiny(tmp_path):
   assert os.path.exists(result["plot"]) and "Young/Daly" in proc.stdout
   with open(os.path.join(workdir, "every_3", "goodput.json")) as f:
     assert json.load(f)["furthest_step"] == 12
+
+
+def test_checkpoint_cost_benchmark_emits_json():
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "checkpoint_cost.py"),
+                         "--json", "--rounds", "2", "--d-model", "32", "--layers", "1",
+                         "--vocab", "128", "--mlp", "64", "--heads", "2", "--kv-heads", "1"],
+                        capture_output=True, text=True, timeout=600, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(proc.stdout)
+  kinds = {"orbax", "tensorstore", "file", "host_copy"}
+  assert result["rounds_counted"] == 1 and result["arrays"] > 0 and result["state_bytes"] > 0
+  for key in ("cpu_s_median", "cpu_s_min", "wall_s_median", "cpu_over_file"):
+    assert set(result[key]) == kinds
+  assert all(v > 0 for v in result["wall_s_median"].values())
