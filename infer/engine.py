@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import parallel
 from infer import kv_cache
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
 
@@ -265,9 +266,11 @@ class Engine:
     where that does not apply or saves nothing: it needs a decoder-only model and a float
     cache, and fewer tokens than padding every prompt to the longest. At most PACK_MAX
     tokens, since attention over the packed row computes (and masks) the scores between
-    prompts too."""
+    prompts too. Not where the mesh splits the batch: one packed row cannot be split, so
+    every batch shard would compute the whole prefill."""
     total = sum(len(r.prompt_ids) for r in requests)
-    if self.arch != "decoder" or self.kv_dtype is not None or total > self.PACK_MAX:
+    if (self.arch != "decoder" or self.kv_dtype is not None or total > self.PACK_MAX
+        or parallel.shards_of("act_batch") > 1):
       return None
     p = kv_cache.bucket(total, self.PACK_MAX)
     if p >= padded_tokens:

@@ -3,7 +3,7 @@
 from parallel.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
 from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXES,
                             STRATEGIES, Layout, axis_rules, constrain, current_rules, get_layout,
-                            get_rules, logical_shardings, logical_to_spec)
+                            get_rules, logical_shardings, logical_to_spec, shards_of)
 from parallel.pipeline import (SCHEDULES, PipelineConfig, current_pipeline, measured_bubble,
                                pipeline_from_config, pipeline_schedule, run_layers,
                                schedule_table, theoretical_bubble)

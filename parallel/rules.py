@@ -12,6 +12,7 @@ A layout is named by joining strategies with '+', e.g. "fsdp+tensor".
 
 import contextlib
 import dataclasses
+import math
 import threading
 from typing import Sequence
 
@@ -115,6 +116,16 @@ def logical_to_spec(names: Sequence[str | None], rules: LogicalRules | None = No
       filtered.append((logical, axes))
     rules = filtered
   return linen.logical_to_mesh_axes(tuple(names), rules)
+
+
+def shards_of(name: str) -> int:
+  """How many ways the active mesh and rules split logical axis `name` (1 outside a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = logical_to_spec((name,), mesh=mesh)[0]
+  axes = (axes,) if isinstance(axes, str) else (axes or ())
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

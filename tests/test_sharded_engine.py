@@ -39,3 +39,9 @@ def test_the_cache_and_parameters_are_sharded_by_the_layout(results, layout):
   assert row["cache_specs"]["k"] == CACHE_K_SPECS[layout]
   if "tensor" in layout:  # some projection is split over `tensor`
     assert any("tensor" in spec for spec in row["param_specs"])
+
+
+def test_prefill_is_packed_only_where_the_batch_is_not_split(results):
+  assert results["single_device"]["packed_prefill"]
+  for layout in LAYOUTS:  # every layout here splits the batch over data (and fsdp)
+    assert not results[layout]["packed_prefill"]
