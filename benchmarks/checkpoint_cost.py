@@ -28,7 +28,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -43,11 +42,6 @@ import numpy as np  # noqa: E402
 
 from benchmarks import checkpoint as bench  # noqa: E402
 from benchmarks.common import log  # noqa: E402
-
-
-def cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
 
 
 def write_orbax(ckpt, step, state, data_iter):
@@ -107,7 +101,7 @@ def main(argv=None):
     for r in range(args.rounds):
       for kind in cpu:
         where = os.path.join(parent, f"{kind}{r}")
-        t, c = time.perf_counter(), cpu_seconds()
+        t, c = time.perf_counter(), bench.cpu_seconds()
         if kind == "orbax":
           write_orbax(ckpt, r + 1, state, data_iter)
         elif kind == "tensorstore":
@@ -116,7 +110,7 @@ def main(argv=None):
           write_files(where, host)
         else:
           held[:] = [np.array(x, copy=True) for x in leaves]
-        c, t = cpu_seconds() - c, time.perf_counter() - t
+        c, t = bench.cpu_seconds() - c, time.perf_counter() - t
         held.clear()  # freed outside the timing
         shutil.rmtree(where, ignore_errors=True)
         if r:  # the first round warms caches and starts thread pools

@@ -7,12 +7,11 @@ all-to-all over those axes. Tokens stay split as the batch is (`act_batch`,
 `act_seq`): outside MoE layers the `expert` axis acts as a data axis.
 """
 
-import math
 from typing import Callable, Sequence
 
 import jax
 
-from parallel.rules import logical_to_spec
+from parallel.rules import logical_to_spec, shards_of
 
 
 def expert_axes() -> tuple[str, ...] | None:
@@ -28,11 +27,7 @@ def expert_axes() -> tuple[str, ...] | None:
 
 
 def expert_parallel_size() -> int:
-  axes = expert_axes()
-  if axes is None:
-    return 1
-  sizes = dict(jax.sharding.get_abstract_mesh().shape)
-  return math.prod(sizes[a] for a in axes)
+  return shards_of("experts")
 
 
 def check_experts_divide(num_experts: int) -> None:
