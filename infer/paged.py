@@ -28,14 +28,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from infer import ragged
 from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
+from infer.ragged import NULL_PAGE, RaggedPages, pages_of_tokens as ragged_pages_of
 from models.attention import attention
 from models.config import ModelConfig
 from parallel import constrain
 
 POOL_AXES = ("layers", "act_kv_heads", None, None, None)
 SCALE_AXES = POOL_AXES[:-1]
-NULL_PAGE = 0
 
 
 class PagePool(NamedTuple):
@@ -111,12 +112,18 @@ class _Pages:
   slot_BT: jax.Array
   lengths_B: jax.Array  # tokens cached per row once this chunk is written
   pool: PagePool | None = None
+  ragged: RaggedPages | None = None  # attend over these pages (infer/ragged.py), not tables
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
     if bias_fn is not None:
       raise NotImplementedError("the paged cache has no relative position bias (T5); serve "
                                 "encoder-decoder models with infer.seq2seq")
+    if self.ragged is not None:
+      out_BTNH = ragged.attend(q_BTNH, k_BTKH, v_BTKH, self.pool.k_LKWZH, self.pool.v_LKWZH,
+                               layer_cache, self.ragged, positions_BT[:, 0], positions_BT,
+                               segment_ids_BT, cfg)
+      return out_BTNH, (k_BTKH, v_BTKH)
     if self.pool is not None:
       return self._attend_in_place(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                    segment_ids_BT, cfg)
@@ -205,29 +212,37 @@ def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY, scale):
 
 
 def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY, *,
-            all_logits=False, in_place: bool | None = None):
+            all_logits=False, in_place: bool | None = None, ragged: RaggedPages | None = None):
   """Appends a right-padded chunk to each row's pages: (logits, pool).
 
   Row b's chunk holds positions start_B[b].. of its sequence, its real tokens
   first (segment id 1) then padding (0). Returns logits_BV at each row's last
   real token (all_logits: logits_BTV). Rows with no real tokens are padding
-  rows (their table may be all null pages).
+  rows (their table may be all null pages). With `ragged` (float pools only),
+  attention reads the listed pages (infer/ragged.py) and `table_BY` may be None.
   """
   t = tokens_BT.shape[1]
   z = pool.page_size
   real_BT = (segment_ids_BT > 0).astype(jnp.int32)
   n_B = jnp.sum(real_BT, axis=1)
   positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  block_BT = jnp.minimum(positions_BT // z, table_BY.shape[1] - 1)
-  page_BT = jnp.where(real_BT > 0, jnp.take_along_axis(table_BY, block_BT, axis=1), NULL_PAGE)
+  if ragged is not None:
+    page_BT = ragged_pages_of(ragged, positions_BT // z)
+  else:
+    block_BT = jnp.minimum(positions_BT // z, table_BY.shape[1] - 1)
+    page_BT = jnp.take_along_axis(table_BY, block_BT, axis=1)
+  page_BT = jnp.where(real_BT > 0, page_BT, NULL_PAGE)
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
   slot_BT = positions_BT % z
   if in_place is None:  # the per-layer write only where the TPU kernel or int8 needs it
     in_place = pool.k_scale_LKWZ is None and not _uses_kernel(t, model.cfg)
   if in_place and pool.k_scale_LKWZ is not None:
     raise ValueError("an int8 pool is written per layer: in_place=True is for float pools")
+  if ragged is not None and not in_place:
+    raise ValueError("ragged attention reads a float pool in place: not with in_place=False, "
+                     "int8 pages or the TPU kernel")
   if in_place:
-    pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool)
+    pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool, ragged)
     layers = jnp.arange(pool.k_LKWZH.shape[0])
     logits, (k_LBTKH, v_LBTKH) = model.decode(tokens_BT, positions_BT, real_BT, layers, pages,
                                               last_B)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from infer import paged
+from infer import kv_cache, paged, ragged
 from infer.block_manager import BlockManager
 from infer.engine import Engine, Result, Token, batch_of_requests
 from infer.sampling import MAX_TOP_LOGPROBS, RowParams, SamplingParams, sample
@@ -37,10 +37,15 @@ from infer.scheduler import Scheduler, Sequence
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_n"), donate_argnames=("pool",))
-def _step(graphdef, state, pool, tokens_BT, segment_ids_BT, start_B, table_BY, seen_BV, rows,
+def _step(graphdef, state, pool, tokens_BT, segment_ids_BT, start_B, pages, seen_BV, rows,
           step_B, top_n=0):
+  """`pages`: the rows' block tables [B, Y], or the flat RaggedPages of a ragged decode."""
   model = nnx.merge(graphdef, state)
-  logits_BV, pool = paged.forward(model, pool, tokens_BT, segment_ids_BT, start_B, table_BY)
+  if isinstance(pages, paged.RaggedPages):
+    logits_BV, pool = paged.forward(model, pool, tokens_BT, segment_ids_BT, start_B, None,
+                                    ragged=pages)
+  else:
+    logits_BV, pool = paged.forward(model, pool, tokens_BT, segment_ids_BT, start_B, pages)
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, step_B)
   top = None
   if top_n:  # compiled only for batches that ask for alternatives
@@ -60,7 +65,7 @@ class PagedEngine(Engine):
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
                block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
                prefill_chunk: int = 256, prefix_caching: bool = True,
-               kv_dtype: str | None = None):
+               kv_dtype: str | None = None, ragged_decode: bool | None = None):
     super().__init__(model, tokenizer, max_seq_len, max_batch, kv_dtype=kv_dtype)
     if model.cfg.position == "relative":
       raise ValueError("PagedEngine has no relative position bias (T5 buckets); serve this "
@@ -79,7 +84,14 @@ class PagedEngine(Engine):
     self._next_id = 0
     self.sequences: dict[int, Sequence] = {}
     self._streams: dict[int, collections.deque] = {}
-    self._compiled: dict[tuple[int, int, int], object] = {}  # precompile()'s executables
+    self._compiled: dict[tuple[int, int, int, int], object] = {}  # precompile()'s executables
+    if ragged_decode and kv_dtype is not None:
+      raise ValueError(f"ragged_decode reads a float pool in place; kv_dtype={kv_dtype!r} pages "
+                       "are read through block tables")
+    if ragged_decode is None:  # where it was measured faster (docs/results.md)
+      ragged_decode = kv_dtype is None and jax.default_backend() == "cpu"
+    self.ragged_decode = ragged_decode
+    self.ragged_steps = 0
 
   # ---- driving it one step at a time ----
 
@@ -153,31 +165,45 @@ class PagedEngine(Engine):
         self._streams[rid].append(token)
     return events
 
-  def step_shapes(self) -> list[tuple[int, int, int]]:
-    """Every (rows, tokens, table width) a step can run: prefill groups (rows and chunk length
-    in powers of two) and the decode batch (block-table widths in powers of two)."""
+  def step_shapes(self) -> list[tuple[int, int, int, int]]:
+    """Every (rows, tokens, table width, ragged pages) a step can run: prefill groups (rows
+    and chunk length in powers of two) and the decode batch (block-table widths, or with
+    ragged_decode flat page lists in kv_cache.bucket's lengths). One of width and pages is 0."""
     shapes = []
     t = 16
     while True:
-      shapes += [(1 << i, t, self.max_blocks) for i in range(_pow2(self.max_batch).bit_length())]
+      shapes += [(1 << i, t, self.max_blocks, 0)
+                 for i in range(_pow2(self.max_batch).bit_length())]
       if t >= min(self.scheduler.prefill_chunk, self.max_seq_len):
         break
       t *= 2
     widths = sorted({min(_pow2(n, 4), self.max_blocks) for n in range(1, self.max_blocks + 1)})
-    return shapes + [(self.max_batch, 1, w) for w in widths]
+    shapes += [(self.max_batch, 1, w, 0) for w in widths]
+    if self.ragged_decode:
+      sizes = {self._ragged_size(n, self.max_batch * w) for w in widths
+               for n in range(1, min(self.blocks.num_blocks, self.max_batch * w) + 1)}
+      shapes += [(self.max_batch, 1, 0, size) for size in sorted(sizes - {0})]
+    return shapes
+
+  @staticmethod
+  def _ragged_size(pages_in_use: int, table_pages: int) -> int:
+    """The flat list's length for a decode step (kv_cache.bucket's lengths: under 25%
+    padding), or 0 where it would be longer than the block tables: then they read fewer pages."""
+    return 0 if pages_in_use > table_pages else kv_cache.bucket(pages_in_use, table_pages, 16)
 
   def precompile(self) -> int:
     """Compiles every step shape ahead of traffic (a server's warm-up), so that no request
     waits for XLA mid-stream; returns how many shapes. Steps with top-logprobs still compile
     on first use."""
-    for rows, t, width in self.step_shapes():
-      if (rows, t, width) in self._compiled:
+    for rows, t, width, size in self.step_shapes():
+      if (rows, t, width, size) in self._compiled:
         continue
       zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
-      args = (zeros(rows, t), zeros(rows, t), zeros(rows), zeros(rows, width),
+      pages = paged.RaggedPages(*(zeros(size) for _ in range(3))) if size else zeros(rows, width)
+      args = (zeros(rows, t), zeros(rows, t), zeros(rows), pages,
               zeros(rows, self.vocab_size, dtype=bool), RowParams.stack([SamplingParams()] * rows),
               zeros(rows))
-      self._compiled[(rows, t, width)] = _step.lower(
+      self._compiled[(rows, t, width, size)] = _step.lower(
           self.graphdef, self.state, self.pool, *args, top_n=0).compile()
     return len(self._compiled)
 
@@ -187,6 +213,7 @@ class PagedEngine(Engine):
     return dict(running=c.running, waiting=c.waiting, preemptions=c.preemptions,
                 admitted=c.admitted, finished=c.finished, aborted=c.aborted, steps=c.steps,
                 prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+                ragged_decode_steps=self.ragged_steps,
                 cached_prompt_tokens=c.cached_prompt_tokens, blocks_used=b.num_used,
                 blocks_free=b.num_free, blocks_total=b.num_blocks, blocks_peak=b.peak_used,
                 prefix_cache_queries=b.counters.prefix_queries,
@@ -265,11 +292,20 @@ class PagedEngine(Engine):
       params[i] = seq.request.params
       if penalised:
         seen_BV[i, ids[:seq.num_computed + n]] = True
+    pages, size = table_BY, 0
+    if t == 1 and self.ragged_decode:  # a flat list of the pages in use, if it is short enough
+      ends = [seq.num_computed + n for seq, n in group]
+      size = self._ragged_size(ragged.count(ends, self.block_size), rows * width)
+      if size:
+        pages = ragged.build([seq.blocks.blocks for seq, _ in group], ends, rows,
+                             self.block_size, size)
+        width = 0
+        self.ragged_steps += 1
     top_n = MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0
     args = (jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), jnp.asarray(start_B),
-            jnp.asarray(table_BY), jnp.asarray(seen_BV), RowParams.stack(params),
+            jax.tree.map(jnp.asarray, pages), jnp.asarray(seen_BV), RowParams.stack(params),
             jnp.asarray(step_B))
-    compiled = self._compiled.get((rows, t, width)) if not top_n else None
+    compiled = self._compiled.get((rows, t, width, size)) if not top_n else None
     if compiled is not None:
       token_B, logprob_B, self.pool, top = compiled(self.state, self.pool, *args)
     else:

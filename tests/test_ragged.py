@@ -1,0 +1,86 @@
+"""Ragged paged attention (infer/ragged.py): the block tables' results from a flat page list."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infer import SamplingParams, paged, ragged
+from infer.serving import PagedEngine
+from test_engine import PROMPTS
+from test_kv_cache import LOGPROB_TOL, CharTokenizer, tiny_model
+
+
+@pytest.fixture(scope="module", params=["dense", "moe", "sliding_window"])
+def model(request):
+  return tiny_model(moe=request.param == "moe",
+                    sliding_window=5 if request.param == "sliding_window" else 0)
+
+
+def test_ragged_pages_give_the_block_tables_results(model):
+  """The same chunks (a prefill across pages with a padded row, a decode token, a ragged
+  chunk) through the tables and through a flat page list: same logits, same pages."""
+  rng = np.random.default_rng(0)
+  z, y = 4, 16
+  tables = 1 + rng.permutation(2 * y).reshape(2, y)
+  pools = {way: paged.init_pool(model.cfg, 2 * y + 1, z) for way in ("tables", "ragged")}
+  chunks = [([PROMPTS[2][:16], PROMPTS[0] + [0] * 11], [[1] * 16, [1] * 5 + [0] * 11]),
+            ([[3], [4]], [[1], [1]]), ([[7, 8, 9], [5, 0, 0]], [[1, 1, 1], [1, 0, 0]])]
+  start_B = np.zeros(2, np.int32)
+  for tokens, segs in chunks:
+    tokens_BT, segment_ids_BT = jnp.asarray(tokens, jnp.int32), jnp.asarray(segs, jnp.int32)
+    ends = [int(e) for e in start_B + np.sum(segs, axis=1)]
+    # 12 pages listed for at most 7 in use: the padding entries must change nothing
+    flat = ragged.build([list(t) for t in tables], ends, 2, z, 12)
+    assert ragged.count(ends, z) == int(np.sum(flat.block_P >= 0))
+    want_BTV, pools["tables"] = paged.forward(model, pools["tables"], tokens_BT, segment_ids_BT,
+                                              jnp.asarray(start_B), jnp.asarray(tables),
+                                              all_logits=True)
+    got_BTV, pools["ragged"] = paged.forward(model, pools["ragged"], tokens_BT, segment_ids_BT,
+                                             jnp.asarray(start_B), None, all_logits=True,
+                                             ragged=jax.tree.map(jnp.asarray, flat))
+    real_BT1 = np.asarray(segment_ids_BT)[..., None] > 0
+    np.testing.assert_allclose(np.where(real_BT1, got_BTV, 0), np.where(real_BT1, want_BTV, 0),
+                               rtol=0, atol=LOGPROB_TOL)
+    start_B = np.asarray(ends, np.int32)
+  for name in ("k_LKWZH", "v_LKWZH"):  # page 0 takes padding's writes: not compared
+    np.testing.assert_allclose(getattr(pools["ragged"], name)[:, :, 1:],
+                               getattr(pools["tables"], name)[:, :, 1:], rtol=0, atol=1e-5)
+
+
+def test_paged_engine_decodes_the_same_with_and_without_ragged_pages(model):
+  params = [SamplingParams(max_tokens=10, logprobs=True),
+            SamplingParams(max_tokens=10, logprobs=True, temperature=1.0, top_k=20, seed=3)]
+  results = {}
+  for way in (True, False):
+    engine = PagedEngine(model, CharTokenizer(), max_seq_len=64, max_batch=4, block_size=4,
+                         prefill_chunk=8, ragged_decode=way)
+    results[way] = engine.generate(PROMPTS, params * (len(PROMPTS) // 2))
+    assert (engine.counters()["ragged_decode_steps"] > 0) == way
+  for a, b in zip(results[True], results[False]):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_TOL)
+
+
+def test_ragged_lists_refuse_what_does_not_fit():
+  with pytest.raises(ValueError, match="3 pages in use do not fit a ragged list of 2"):
+    ragged.build([[1, 2], [3]], [8, 1], 2, 4, 2)
+  with pytest.raises(ValueError, match="row 1 holds 9 tokens but its table lists 1 pages"):
+    ragged.build([[1, 2], [3]], [8, 9], 2, 4, 8)
+
+
+def test_ragged_decode_needs_a_float_pool():
+  with pytest.raises(ValueError, match="ragged_decode reads a float pool in place"):
+    PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, ragged_decode=True,
+                kv_dtype="int8")
+  engine = PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, kv_dtype="int8")
+  assert not engine.ragged_decode  # on its own it keeps int8 pages on the tables
+
+
+def test_decode_shapes_cover_the_ragged_sizes():
+  engine = PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=4,
+                       block_size=4)
+  assert engine.ragged_decode  # these tests run on CPU
+  sizes = [s for rows, t, w, s in engine.step_shapes() if s]
+  assert sizes == [16, 20, 24, 28, 32, 40, 48, 56, 64]  # 64 = 4 rows x 16 pages
+  assert PagedEngine._ragged_size(65, 64) == 0 and PagedEngine._ragged_size(17, 64) == 20
