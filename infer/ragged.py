@@ -79,33 +79,34 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   k_KPZH = k_LKWZH[layer][:, pages.page_P].astype(dtype)
   v_KPZH = v_LKWZH[layer][:, pages.page_P].astype(dtype)
   old_KPGTZ = jnp.einsum("KPGTH,KPZH->KPGTZ", q_KPGTH, k_KPZH).astype(jnp.float32) * cfg.scale
-  new_BKGTU = jnp.einsum("BTKGH,BUKH->BKGTU", q_BTKGH, k_BTKH.astype(dtype)).astype(
+  # the chunk's own keys, at key positions S (the same positions as its queries T)
+  new_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH.astype(dtype)).astype(
       jnp.float32) * cfg.scale
 
   pos_PZ = pages.block_P[:, None] * z + jnp.arange(z, dtype=jnp.int32)
   q_pos_PT = positions_BT[pages.row_P]
   old_PTZ = ((pages.block_P >= 0)[:, None, None]
              & (pos_PZ < start_B[pages.row_P][:, None])[:, None, :])
-  new_BTU = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
+  new_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
              & (segment_ids_BT > 0)[:, None, :])
   if cfg.sliding_window:
     old_PTZ = old_PTZ & (pos_PZ[:, None, :] > q_pos_PT[:, :, None] - cfg.sliding_window)
-    new_BTU = new_BTU & (positions_BT[:, None, :] > positions_BT[:, :, None] - cfg.sliding_window)
+    new_BTS = new_BTS & (positions_BT[:, None, :] > positions_BT[:, :, None] - cfg.sliding_window)
   old_KPGTZ = jnp.where(old_PTZ[None, :, None], old_KPGTZ, -jnp.inf)
-  new_BKGTU = jnp.where(new_BTU[:, None, None], new_BKGTU, -jnp.inf)
+  new_BKGTS = jnp.where(new_BTS[:, None, None], new_BKGTS, -jnp.inf)
 
   # A segmented softmax: the max and the sums run over each row's pages, then its chunk.
   segment = lambda x_P, op: op(x_P, pages.row_P, num_segments=b, indices_are_sorted=True)
   max_PKGT = jnp.moveaxis(jnp.max(old_KPGTZ, axis=-1), 1, 0)
-  max_BKGT = jnp.maximum(segment(max_PKGT, jax.ops.segment_max), jnp.max(new_BKGTU, axis=-1))
+  max_BKGT = jnp.maximum(segment(max_PKGT, jax.ops.segment_max), jnp.max(new_BKGTS, axis=-1))
   max_BKGT = jnp.where(jnp.isfinite(max_BKGT), max_BKGT, 0.0)  # rows that see nothing
   old_KPGTZ = jnp.exp(old_KPGTZ - jnp.moveaxis(max_BKGT[pages.row_P], 0, 1)[..., None])
-  new_BKGTU = jnp.exp(new_BKGTU - max_BKGT[..., None])
+  new_BKGTS = jnp.exp(new_BKGTS - max_BKGT[..., None])
   sum_BKGT = (segment(jnp.moveaxis(jnp.sum(old_KPGTZ, axis=-1), 1, 0), jax.ops.segment_sum)
-              + jnp.sum(new_BKGTU, axis=-1))
+              + jnp.sum(new_BKGTS, axis=-1))
   out_PKGTH = jnp.einsum("KPGTZ,KPZH->PKGTH", old_KPGTZ.astype(dtype), v_KPZH)
   out_BKGTH = (segment(out_PKGTH.astype(jnp.float32), jax.ops.segment_sum)
-               + jnp.einsum("BKGTU,BUKH->BKGTH", new_BKGTU.astype(dtype),
+               + jnp.einsum("BKGTS,BSKH->BKGTH", new_BKGTS.astype(dtype),
                             v_BTKH.astype(dtype)).astype(jnp.float32))
   out_BKGTH = out_BKGTH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0)[..., None]
   return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(dtype)

@@ -12,7 +12,9 @@ right-padded to that length) and one for the decoding ones (one token each,
 `max_batch` rows). `precompile()` compiles every such shape ahead. A
 finished request frees its slot and blocks at once, and a waiting one takes
 them at the next step: no request waits for the longest in its batch.
-`kv_dtype="int8"` keeps the pool as int8 pages with per-token scales.
+`kv_dtype="int8"` keeps the pool as int8 pages with per-token scales. On
+CPU, decode steps read a flat list of the pages in use instead of block tables
+padded to the widest row (infer/ragged.py; `ragged_decode`).
 
 Outputs equal the contiguous Engine's: same model code, same sampler, and a
 request's randomness depends on its seed and token index only, so batching,
