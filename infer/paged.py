@@ -13,7 +13,8 @@ Attention gathers each row's pages through its block table into a contiguous
 [B, Y·Z, K, H] view and calls the shared `models.attention.attention`, so the
 paged and contiguous caches compute the same thing. On TPU a one-token
 decode step goes to the Pallas paged-attention kernel instead, which reads
-the pages in place.
+the pages in place. PagedEngine's CPU decode steps skip the tables and read a
+flat list of the pages in use instead (infer/ragged.py, `forward(ragged=...)`).
 
 With `kv_dtype="int8"` the pool holds int8 pages plus float32 scales
 [L, K, W, Z] (one per token and kv head, as infer/kv_cache.py): a chunk is
