@@ -29,9 +29,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from infer import ragged
 from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
-from infer.ragged import NULL_PAGE, RaggedPages, pages_of_tokens as ragged_pages_of
+from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_of_tokens
 from models.attention import attention
 from models.config import ModelConfig
 from parallel import constrain
@@ -121,7 +120,7 @@ class _Pages:
       raise NotImplementedError("the paged cache has no relative position bias (T5); serve "
                                 "encoder-decoder models with infer.seq2seq")
     if self.ragged is not None:
-      out_BTNH = ragged.attend(q_BTNH, k_BTKH, v_BTKH, self.pool.k_LKWZH, self.pool.v_LKWZH,
+      out_BTNH = ragged_attend(q_BTNH, k_BTKH, v_BTKH, self.pool.k_LKWZH, self.pool.v_LKWZH,
                                layer_cache, self.ragged, positions_BT[:, 0], positions_BT,
                                segment_ids_BT, cfg)
       return out_BTNH, (k_BTKH, v_BTKH)
@@ -228,7 +227,7 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   n_B = jnp.sum(real_BT, axis=1)
   positions_BT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   if ragged is not None:
-    page_BT = ragged_pages_of(ragged, positions_BT // z)
+    page_BT = pages_of_tokens(ragged, positions_BT // z)
   else:
     block_BT = jnp.minimum(positions_BT // z, table_BY.shape[1] - 1)
     page_BT = jnp.take_along_axis(table_BY, block_BT, axis=1)
@@ -236,12 +235,12 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
   slot_BT = positions_BT % z
   if in_place is None:  # the per-layer write only where the TPU kernel or int8 needs it
-    in_place = pool.k_scale_LKWZ is None and not _uses_kernel(t, model.cfg)
+    in_place = pool.k_scale_LKWZ is None and (ragged is not None or not _uses_kernel(t, model.cfg))
   if in_place and pool.k_scale_LKWZ is not None:
     raise ValueError("an int8 pool is written per layer: in_place=True is for float pools")
   if ragged is not None and not in_place:
-    raise ValueError("ragged attention reads a float pool in place: not with in_place=False, "
-                     "int8 pages or the TPU kernel")
+    raise ValueError("ragged attention reads a float pool in place: not with in_place=False "
+                     "or int8 pages")
   if in_place:
     pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool, ragged)
     layers = jnp.arange(pool.k_LKWZH.shape[0])

@@ -8,10 +8,10 @@ row's table. Scores are taken page by page against the owning row's queries,
 and the softmax is a segmented one over each row's pages plus the chunk's own
 keys. Work is proportional to the pages in use, not to rows × widest row.
 
-Only float pools read in place take this path (`paged.forward(ragged=...)`).
-PagedEngine takes it for decode steps on CPU (`ragged_decode`), where it was
-measured faster than the tables even when both read the same number of pages
-(docs/results.md).
+Only float pools read in place take this path (`paged.forward(ragged=...)`),
+pure JAX on every backend. PagedEngine takes it for decode steps on CPU
+(`ragged_decode`), where it was measured faster than the tables
+(docs/results.md); the TPU keeps its Pallas paged-attention kernel.
 """
 
 from typing import NamedTuple
@@ -34,6 +34,8 @@ def build(tables: list[list[int]], ends: list[int], rows: int, page_size: int,
           size: int) -> RaggedPages:
   """Host side: row i's first ceil(ends[i] / page_size) pages of tables[i], flat, padded to
   `size` entries. `ends[i]`: the tokens row i holds once this step's chunk is written."""
+  if len(tables) != len(ends) or len(tables) > rows:
+    raise ValueError(f"{len(tables)} tables and {len(ends)} ends for {rows} rows")
   page, row, block = [], [], []
   for i, (table, end) in enumerate(zip(tables, ends)):
     n = -(-end // page_size)
@@ -104,9 +106,11 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   new_BKGTS = jnp.exp(new_BKGTS - max_BKGT[..., None])
   sum_BKGT = (segment(jnp.moveaxis(jnp.sum(old_KPGTZ, axis=-1), 1, 0), jax.ops.segment_sum)
               + jnp.sum(new_BKGTS, axis=-1))
-  out_PKGTH = jnp.einsum("KPGTZ,KPZH->PKGTH", old_KPGTZ.astype(dtype), v_KPZH)
-  out_BKGTH = (segment(out_PKGTH.astype(jnp.float32), jax.ops.segment_sum)
-               + jnp.einsum("BKGTS,BSKH->BKGTH", new_BKGTS.astype(dtype),
-                            v_BTKH.astype(dtype)).astype(jnp.float32))
+  # per-page partial sums stay float32 until the division (one rounding, as in attention())
+  out_PKGTH = jnp.einsum("KPGTZ,KPZH->PKGTH", old_KPGTZ.astype(dtype), v_KPZH,
+                         preferred_element_type=jnp.float32)
+  out_BKGTH = (segment(out_PKGTH, jax.ops.segment_sum)
+               + jnp.einsum("BKGTS,BSKH->BKGTH", new_BKGTS.astype(dtype), v_BTKH.astype(dtype),
+                            preferred_element_type=jnp.float32))
   out_BKGTH = out_BKGTH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0)[..., None]
   return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(dtype)

@@ -90,7 +90,7 @@ class PagedEngine(Engine):
     if ragged_decode and kv_dtype is not None:
       raise ValueError(f"ragged_decode reads a float pool in place; kv_dtype={kv_dtype!r} pages "
                        "are read through block tables")
-    if ragged_decode is None:  # where it was measured faster (docs/results.md)
+    if ragged_decode is None:  # CPU, where it was measured faster; the TPU has its kernel
       ragged_decode = kv_dtype is None and jax.default_backend() == "cpu"
     self.ragged_decode = ragged_decode
     self.ragged_steps = 0
@@ -169,8 +169,9 @@ class PagedEngine(Engine):
 
   def step_shapes(self) -> list[tuple[int, int, int, int]]:
     """Every (rows, tokens, table width, ragged pages) a step can run: prefill groups (rows
-    and chunk length in powers of two) and the decode batch (block-table widths, or with
-    ragged_decode flat page lists in kv_cache.bucket's lengths). One of width and pages is 0."""
+    and chunk length in powers of two) and the decode batch (block-table widths in powers of
+    two, or with ragged_decode flat page lists in kv_cache.bucket's lengths). One of width
+    and pages is 0."""
     shapes = []
     t = 16
     while True:
@@ -180,18 +181,19 @@ class PagedEngine(Engine):
         break
       t *= 2
     widths = sorted({min(_pow2(n, 4), self.max_blocks) for n in range(1, self.max_blocks + 1)})
-    shapes += [(self.max_batch, 1, w, 0) for w in widths]
-    if self.ragged_decode:
-      sizes = {self._ragged_size(n, self.max_batch * w) for w in widths
-               for n in range(1, min(self.blocks.num_blocks, self.max_batch * w) + 1)}
-      shapes += [(self.max_batch, 1, 0, size) for size in sorted(sizes - {0})]
-    return shapes
+    if not self.ragged_decode:
+      return shapes + [(self.max_batch, 1, w, 0) for w in widths]
+    # A page shared through the prefix cache is listed once per row that reads it, so the
+    # list may be longer than the pool: every length up to rows x widest table.
+    sizes = {self._ragged_size(n, self.max_batch * w) for w in widths
+             for n in range(1, self.max_batch * w + 1)}
+    return shapes + [(self.max_batch, 1, 0, size) for size in sorted(sizes)]
 
   @staticmethod
   def _ragged_size(pages_in_use: int, table_pages: int) -> int:
-    """The flat list's length for a decode step (kv_cache.bucket's lengths: under 25%
-    padding), or 0 where it would be longer than the block tables: then they read fewer pages."""
-    return 0 if pages_in_use > table_pages else kv_cache.bucket(pages_in_use, table_pages, 16)
+    """The flat list's length for a decode step: kv_cache.bucket's lengths (under 25%
+    padding), at most the block tables' pages, which always hold every page in use."""
+    return kv_cache.bucket(pages_in_use, table_pages, 16)
 
   def precompile(self) -> int:
     """Compiles every step shape ahead of traffic (a server's warm-up), so that no request
@@ -295,14 +297,13 @@ class PagedEngine(Engine):
       if penalised:
         seen_BV[i, ids[:seq.num_computed + n]] = True
     pages, size = table_BY, 0
-    if t == 1 and self.ragged_decode:  # a flat list of the pages in use, if it is short enough
+    if t == 1 and self.ragged_decode:  # a flat list of the pages in use, not the tables
       ends = [seq.num_computed + n for seq, n in group]
       size = self._ragged_size(ragged.count(ends, self.block_size), rows * width)
-      if size:
-        pages = ragged.build([seq.blocks.blocks for seq, _ in group], ends, rows,
-                             self.block_size, size)
-        width = 0
-        self.ragged_steps += 1
+      pages = ragged.build([seq.blocks.blocks for seq, _ in group], ends, rows,
+                           self.block_size, size)
+      width = 0
+      self.ragged_steps += 1
     top_n = MAX_TOP_LOGPROBS if any(p.top_logprobs for p in params) else 0
     args = (jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), jnp.asarray(start_B),
             jax.tree.map(jnp.asarray, pages), jnp.asarray(seen_BV), RowParams.stack(params),

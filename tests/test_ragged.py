@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import infer.serving
 from infer import SamplingParams, paged, ragged
 from infer.serving import PagedEngine
 from test_engine import PROMPTS
@@ -67,6 +68,8 @@ def test_ragged_lists_refuse_what_does_not_fit():
     ragged.build([[1, 2], [3]], [8, 1], 2, 4, 2)
   with pytest.raises(ValueError, match="row 1 holds 9 tokens but its table lists 1 pages"):
     ragged.build([[1, 2], [3]], [8, 9], 2, 4, 8)
+  with pytest.raises(ValueError, match="3 tables and 3 ends for 2 rows"):
+    ragged.build([[1], [2], [3]], [1, 1, 1], 2, 4, 8)
 
 
 def test_ragged_decode_needs_a_float_pool():
@@ -77,10 +80,32 @@ def test_ragged_decode_needs_a_float_pool():
   assert not engine.ragged_decode  # on its own it keeps int8 pages on the tables
 
 
-def test_decode_shapes_cover_the_ragged_sizes():
+def test_decode_shapes_are_the_ragged_sizes():
   engine = PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=4,
-                       block_size=4)
-  assert engine.ragged_decode  # these tests run on CPU
-  sizes = [s for rows, t, w, s in engine.step_shapes() if s]
-  assert sizes == [16, 20, 24, 28, 32, 40, 48, 56, 64]  # 64 = 4 rows x 16 pages
-  assert PagedEngine._ragged_size(65, 64) == 0 and PagedEngine._ragged_size(17, 64) == 20
+                       block_size=4, ragged_decode=True)
+  decode = [(w, s) for rows, t, w, s in engine.step_shapes() if t == 1]
+  assert decode == [(0, s) for s in (16, 20, 24, 28, 32, 40, 48, 56, 64)]  # 64 = 4 x 16 pages
+  assert PagedEngine._ragged_size(17, 64) == 20 and PagedEngine._ragged_size(17, 32) == 20
+
+
+def test_shared_prefix_pages_are_listed_per_row_and_precompiled(model, monkeypatch):
+  """Four rows share a prompt's first 4 pages through the prefix cache: the flat list names
+  them once per row, 32 entries from a pool of 20 pages, a length precompile() covers."""
+  prefix = PROMPTS[2][:16]
+  prompts = [prefix + [(5 * i + j) % 64 for j in range(4)] for i in range(4)]
+  params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+  results = {}
+  for way in (True, False):
+    engine = PagedEngine(model, CharTokenizer(), max_seq_len=64, max_batch=4, block_size=4,
+                         num_blocks=20, prefill_chunk=16, ragged_decode=way)
+    engine.generate([prefix + [1]], params)  # seals the prefix's pages
+    if way:
+      assert engine.precompile() == len(engine.step_shapes())
+      monkeypatch.setattr(infer.serving, "_step", None)  # nothing may compile from here on
+    results[way] = engine.generate(prompts, params)
+    monkeypatch.undo()
+    counters = engine.counters()
+    assert counters["prefix_cache_hits"] >= 4 * 4 and counters["preemptions"] == 0
+  for a, b in zip(results[True], results[False]):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_TOL)
