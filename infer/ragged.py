@@ -86,12 +86,12 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
       jnp.float32) * cfg.scale
 
   pos_PZ = pages.block_P[:, None] * z + jnp.arange(z, dtype=jnp.int32)
-  q_pos_PT = positions_BT[pages.row_P]
   old_PTZ = ((pages.block_P >= 0)[:, None, None]
              & (pos_PZ < start_B[pages.row_P][:, None])[:, None, :])
   new_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
              & (segment_ids_BT > 0)[:, None, :])
   if cfg.sliding_window:
+    q_pos_PT = positions_BT[pages.row_P]
     old_PTZ = old_PTZ & (pos_PZ[:, None, :] > q_pos_PT[:, :, None] - cfg.sliding_window)
     new_BTS = new_BTS & (positions_BT[:, None, :] > positions_BT[:, :, None] - cfg.sliding_window)
   old_KPGTZ = jnp.where(old_PTZ[None, :, None], old_KPGTZ, -jnp.inf)

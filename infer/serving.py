@@ -278,6 +278,7 @@ class PagedEngine(Engine):
     t = 1 if all(n == 1 for _, n in group) else _pow2(max(n for _, n in group), 16)
     width = _pow2(max(len(s.blocks.blocks) for s, _ in group), 4) if t == 1 else self.max_blocks
     width = min(width, self.max_blocks)
+    ragged_step = t == 1 and self.ragged_decode  # a flat list of the pages in use, not tables
     tokens_BT = np.zeros((rows, t), np.int32)
     segment_ids_BT = np.zeros((rows, t), np.int32)
     start_B = np.zeros(rows, np.int32)
@@ -291,13 +292,14 @@ class PagedEngine(Engine):
       tokens_BT[i, :n] = ids[seq.num_computed:seq.num_computed + n]
       segment_ids_BT[i, :n] = 1
       start_B[i] = seq.num_computed
-      table_BY[i] = self.blocks.table(seq.blocks, width)
+      if not ragged_step:
+        table_BY[i] = self.blocks.table(seq.blocks, width)
       step_B[i] = len(seq.request.token_ids)
       params[i] = seq.request.params
       if penalised:
         seen_BV[i, ids[:seq.num_computed + n]] = True
     pages, size = table_BY, 0
-    if t == 1 and self.ragged_decode:  # a flat list of the pages in use, not the tables
+    if ragged_step:
       ends = [seq.num_computed + n for seq, n in group]
       size = self._ragged_size(ragged.count(ends, self.block_size), rows * width)
       pages = ragged.build([seq.blocks.blocks for seq, _ in group], ends, rows,
