@@ -124,21 +124,30 @@ def _first(cost):
   return cost[0] if isinstance(cost, list) else cost
 
 
-def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model):
-  """Three prompts packed into one 24-token row (engine: 23 tokens, not 4 rows x 20): the same
-  logits at each last token, keys, values, slots and lengths as the right-padded prefill."""
-  b, t = 4, 20
+# Three prompts packed into 23 tokens (one attention tile), or three longer ones into 101
+# (padded to 112: four tiles of kv_cache.PACKED_TILE, the cross-prompt ones skipped).
+LONG_PROMPTS = [[(7 * i) % 50 + 1 for i in range(45)], [3, 1, 4, 1, 5, 9, 2, 6],
+                [(5 * i) % 60 + 2 for i in range(48)]]
+
+
+@pytest.mark.parametrize("prompts, t, packed_len", [(PROMPTS, 20, 24), (LONG_PROMPTS, 48, 112)],
+                         ids=["one_tile", "four_tiles"])
+def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model, prompts, t, packed_len):
+  """Prompts packed into one row (fewer tokens than 4 right-padded rows): the same logits at
+  each last token, keys, values, slots and lengths as the right-padded prefill."""
+  b, slots = 4, 64
   tokens_BT, segment_ids_BT = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-  for i, prompt in enumerate(PROMPTS):
+  for i, prompt in enumerate(prompts):
     tokens_BT[i, :len(prompt)], segment_ids_BT[i, :len(prompt)] = prompt, 1
   padded_BV, padded = kv_cache.forward(model, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT),
-                                       kv_cache.init(model.cfg, b, 32))
-  engine = Engine(model, CharTokenizer(), max_seq_len=32, max_batch=b)
-  requests = [engine._request(prompt, SamplingParams(max_tokens=4)) for prompt in PROMPTS]
+                                       kv_cache.init(model.cfg, b, slots))
+  engine = Engine(model, CharTokenizer(), max_seq_len=slots, max_batch=b)
+  requests = [engine._request(prompt, SamplingParams(max_tokens=4)) for prompt in prompts]
   packed_args = engine._packed(requests, b, b * t)
-  assert packed_args[0].shape == (1, 24)
-  packed_BV, packed = kv_cache.prefill_packed(model, *packed_args, kv_cache.init(model.cfg, b, 32))
-  n = len(PROMPTS)
+  assert packed_args[0].shape == (1, packed_len)
+  packed_BV, packed = kv_cache.prefill_packed(model, *packed_args,
+                                              kv_cache.init(model.cfg, b, slots))
+  n = len(prompts)
   np.testing.assert_allclose(packed_BV[:n], padded_BV[:n], rtol=0, atol=LOGPROB_TOL)
   np.testing.assert_array_equal(packed.lengths_B, padded.lengths_B)
   np.testing.assert_array_equal(packed.segment_ids_BS, padded.segment_ids_BS)
