@@ -1,4 +1,5 @@
-"""Smoke test for benchmarks/decode.py: quick rows 1 and 2 emit the JSON they promise."""
+"""Smoke tests for benchmarks/decode.py and decode_split.py: quick runs emit the JSON they
+promise."""
 
 import json
 import os
@@ -71,3 +72,19 @@ def test_decode_benchmark_quick_serving_rows_emit_json():
   assert memory["small_pool_bytes"] < 0.41 * memory["max_length_bytes"]
   assert memory["small_pool_equal_output"] is True
   assert memory["target_saving"] == 0.5 and isinstance(memory["target_met"], bool)
+
+
+def test_decode_split_quick_matmuls_emit_json():
+  script = os.path.join(REPO, "benchmarks", "decode_split.py")
+  proc = subprocess.run([sys.executable, script, "--json", "--quick"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout)
+  assert result["layers"] == 2 and result["vocab"] == 4096 and result["repeats"] == 1
+  assert "split" not in result and "tiles" not in result
+  assert set(result["matmuls_ms"]) == {"b1", "b8"}
+  for case in result["matmuls_ms"].values():
+    for key in ("scan", "unrolled", "scan_layers_only", "head_only", "torch",
+                "torch_layers_only", "torch_head_only"):
+      assert case[key] > 0, key
+    assert case["torch_over_scan"] == round(case["torch"] / case["scan"], 2)

