@@ -45,10 +45,10 @@ KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
 SCALE_AXES = KV_AXES[:-1]
 SLOT_AXES = ("act_batch", "act_seq")
 MIN_BUCKET = 16
-# Packed prefill on a backend without a fused kernel: key/value tiles of this many tokens,
-# so the blockwise kernel skips every tile that pairs two different prompts. SmolLM2-135M,
-# 8 prompts packed into 384 (1,024) tokens: prefill 0.84x (0.71x) the time of the naive
-# kernel's one masked [384, 384] score matrix; tiles of 64 and 128 tokens saved less.
+# Packed prefill's blockwise tiles: key/value tiles of this many tokens, so that the kernel
+# skips the many tiles in which no query sees a key (those lying wholly across two prompts).
+# SmolLM2-135M, 8 prompts packed into 384 tokens, on CPU: 0.86x the time of the naive
+# kernel's one masked [384, 384] score matrix (benchmarks/decode_split.py --parts tiles).
 PACKED_TILE = 32
 KV_DTYPES = (None, "int8")  # None: the model's compute dtype
 
@@ -244,7 +244,10 @@ class _Packed:
   def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
     impl, tile = cfg.attention_impl, {}
-    if impl == "auto" and jax.default_backend() not in ("gpu", "tpu"):
+    # "auto" on CPU: tiles (measured). On GPU/TPU "auto" keeps its own choice, unmeasured
+    # here; a position bias runs on the naive kernel whatever is asked.
+    if bias_fn is None and (impl == "blockwise" or (
+        impl == "auto" and jax.default_backend() not in ("gpu", "tpu"))):
       impl, tile = "blockwise", dict(block_q=PACKED_TILE, block_kv=PACKED_TILE)
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,
                          kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,

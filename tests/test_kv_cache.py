@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from infer import Engine, SamplingParams, generate, kv_cache
+import models.attention as attention_lib
 from models import ModelConfig, Transformer
 from parallel import get_rules, logical_to_spec
 
@@ -125,16 +126,43 @@ def _first(cost):
 
 
 # Three prompts packed into 23 tokens (one attention tile), or three longer ones into 101
-# (padded to 112: four tiles of kv_cache.PACKED_TILE, the cross-prompt ones skipped).
+# (padded to 112: several tiles of kv_cache.PACKED_TILE, those across two prompts skipped).
 LONG_PROMPTS = [[(7 * i) % 50 + 1 for i in range(45)], [3, 1, 4, 1, 5, 9, 2, 6],
                 [(5 * i) % 60 + 2 for i in range(48)]]
 
 
+@pytest.fixture
+def blockwise_calls(monkeypatch):
+  """How many times attention() ran the blockwise kernel (traced calls) during the test."""
+  calls = []
+  inner = attention_lib._blockwise
+  monkeypatch.setattr(attention_lib, "_blockwise", lambda *a: calls.append(1) or inner(*a))
+  return calls
+
+
 @pytest.mark.parametrize("prompts, t, packed_len", [(PROMPTS, 20, 24), (LONG_PROMPTS, 48, 112)],
-                         ids=["one_tile", "four_tiles"])
-def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model, prompts, t, packed_len):
-  """Prompts packed into one row (fewer tokens than 4 right-padded rows): the same logits at
-  each last token, keys, values, slots and lengths as the right-padded prefill."""
+                         ids=["one_tile", "many_tiles"])
+def test_packed_prefill_fills_the_cache_as_padded_prefill_does(model, prompts, t, packed_len,
+                                                               blockwise_calls):
+  """Prompts packed into one row (fewer tokens than 4 right-padded rows), attended in tiles on
+  CPU: the same logits at each last token, keys, values, slots and lengths as the
+  right-padded prefill."""
+  if packed_len > 100:
+    assert -(-packed_len // kv_cache.PACKED_TILE) >= 3
+  _check_packed_prefill(model, prompts, t, packed_len)
+  assert blockwise_calls  # the padded prefill runs naive; only the packed one ran blockwise
+
+
+def test_packed_prefill_with_a_position_bias_runs_naive(blockwise_calls, caplog):
+  """A relative-position decoder's bias runs on the naive kernel: packed prefill asks for no
+  tiles there (no fallback warning) and still matches the right-padded prefill."""
+  model = tiny_model(position="relative", relative_buckets=8, relative_max_distance=16)
+  _check_packed_prefill(model, LONG_PROMPTS, 48, 112)
+  assert not blockwise_calls
+  assert "falls back" not in caplog.text
+
+
+def _check_packed_prefill(model, prompts, t, packed_len):
   b, slots = 4, 64
   tokens_BT, segment_ids_BT = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
   for i, prompt in enumerate(prompts):
