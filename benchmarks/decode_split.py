@@ -26,13 +26,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
 from benchmarks.common import cpu_count, log  # noqa: E402
+from benchmarks.decode_baseline import _timed  # noqa: E402
 
 # SmolLM2-135M: d_model, layers, query / key-value heads of 64, MLP width, vocabulary (tied).
 D, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 576, 30, 9, 3, 64, 1536, 49152
@@ -40,15 +40,6 @@ D, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 576, 30, 9, 3, 64, 1536, 4915
 PROJECTIONS = (("q", D, HEADS * HEAD_DIM), ("k", D, KV_HEADS * HEAD_DIM),
                ("v", D, KV_HEADS * HEAD_DIM), ("o", HEADS * HEAD_DIM, D),
                ("gate", D, MLP), ("up", D, MLP), ("down", MLP, D))
-
-
-def _best(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
 
 
 def _jax_sides(batch, layers, vocab):
@@ -72,15 +63,17 @@ def _jax_sides(batch, layers, vocab):
   def head(x_BD):
     return einsum("BD,VD->BV", x_BD, embed_VD, "flat")
 
-  scan = jax.jit(lambda ws, x: head(jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]))
+  def scanned(ws, x):
+    return jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
 
   def unrolled_fn(ws, x):
     for w in ws:
       x = layer(x, w)
     return head(x)
 
+  scan = jax.jit(lambda ws, x: head(scanned(ws, x)))
   unrolled = jax.jit(unrolled_fn)
-  layers_only = jax.jit(lambda ws, x: jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0])
+  layers_only = jax.jit(scanned)
   head_only = jax.jit(head)
   sides = {"scan": lambda: scan(stacked, x_BD).block_until_ready(),
            "unrolled": lambda: unrolled(per_layer, x_BD).block_until_ready(),
@@ -124,7 +117,7 @@ def matmuls(repeats, layers=LAYERS, vocab=VOCAB):
     best = {name: [] for name in sides}
     for _ in range(repeats):  # interleaved: each round runs every form once
       for name, fn in sides.items():
-        best[name].append(_best(fn, 5))
+        best[name].append(_timed(fn, 5)[0])
     ms = {name: round(1e3 * min(t), 2) for name, t in best.items()}
     ms["torch_over_scan"] = round(ms["torch"] / ms["scan"], 2)
     out[f"b{batch}"] = ms
@@ -154,7 +147,7 @@ def split(repeats, new_tokens):
       fn()  # compile / warm up
     for _ in range(repeats):
       for key, fn in runs.items():
-        times[key].append(_best(fn, 1))
+        times[key].append(_timed(fn, 1)[0])
     case = {}
     for side in ("meshlm", "transformers"):
       prefill, whole = min(times[(side, 1)]), min(times[(side, new_tokens)])
@@ -194,7 +187,7 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
     times = {k: [] for k in engines}
     for _ in range(repeats):
       for k, engine in engines.items():
-        times[k].append(_best(lambda: engine.generate(prompts, params), 1))
+        times[k].append(_timed(lambda: engine.generate(prompts, params), 1)[0])
     ratios = [t / n for t, n in zip(times["tiles"], times["naive"])]
     diff = max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(first["tiles"], first["naive"]))
     if diff == 0:  # bit-identical log-probabilities: both engines ran the same kernel
