@@ -16,7 +16,13 @@ only up to the power of two above the batch's longest row (`kv_cache.width_for`)
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
-Stop conditions and text are handled on the host, one step at a time.
+
+`generate` runs up to `decode_steps` (16) decode steps per jitted call, in a
+`lax.while_loop` that stops each row at its stop token ids or max_tokens, so
+the host's per-step work (dispatch, transfer, detokenising) is paid once per
+call; `stream` runs one step per call. Stop strings and the text are the host's:
+a row stopped by a stop string runs on to the end of its call, the extra tokens
+ignored.
 """
 
 import dataclasses
@@ -136,14 +142,38 @@ def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, ro
                                               (cache.lengths_B > 0)[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "width"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps", "width"),
                    donate_argnames=("cache", "seen_BV"))
-def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, width=None):
+def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, count, stop_BK,
+            left_B, *, steps, width=None):
+  """Up to `count` (<= the static `steps`) decode steps in one call, from token index `step`:
+  (tokens_NB, logprobs_NB, n, cache, seen_BV), rows [0, n) of the first two filled.
+
+  A row stops at a token in its stop_BK (-1 pads) or when left_B of its tokens remain to
+  generate, as `_Request.add` decides on the host; the loop ends early once every row has.
+  Stop strings are the host's alone: such a row runs on to the end of the call, its extra
+  tokens ignored. The host's per-step work then runs once per call, not once per token.
+  """
   model = nnx.merge(graphdef, state)
-  logits_BV, cache = kv_cache.forward(model, token_B[:, None], active_B[:, None].astype(jnp.int32),
-                                      cache, width=width)
-  token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full(token_B.shape, step, jnp.int32))
-  return token_B, logprob_B, cache, mark_seen(seen_BV, token_B[:, None], active_B[:, None])
+  b = token_B.shape[0]
+
+  def body(carry):
+    i, cache, token_B, active_B, seen_BV, left_B, tokens_NB, logprobs_NB = carry
+    logits_BV, cache = kv_cache.forward(model, token_B[:, None],
+                                        active_B[:, None].astype(jnp.int32), cache, width=width)
+    token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full((b,), step + i, jnp.int32))
+    seen_BV = mark_seen(seen_BV, token_B[:, None], active_B[:, None])
+    left_B = left_B - 1
+    done_B = (jnp.any(token_B[:, None] == stop_BK, axis=1) | (left_B <= 0)
+              | ~jnp.isfinite(logprob_B))
+    return (i + 1, cache, token_B, active_B & ~done_B, seen_BV, left_B,
+            tokens_NB.at[i].set(token_B), logprobs_NB.at[i].set(logprob_B))
+
+  carry = (jnp.int32(0), cache, token_B, active_B, seen_BV, left_B,
+           jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32))
+  n, cache, _, _, seen_BV, _, tokens_NB, logprobs_NB = jax.lax.while_loop(
+      lambda c: (c[0] < count) & jnp.any(c[3]), body, carry)
+  return tokens_NB, logprobs_NB, n, cache, seen_BV
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, max_seq_len: int,
@@ -183,8 +213,10 @@ class Engine:
   PACK_MAX = 1024  # the longest packed prefill row (see _packed)
 
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
-               kv_dtype: str | None = None):
+               kv_dtype: str | None = None, decode_steps: int = 16):
     kv_cache.check_kv_dtype(kv_dtype)
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
+      raise ValueError(f"Engine decode_steps={decode_steps!r} must be an integer >= 1")
     if model.cfg.arch not in self.ARCHS:
       raise ValueError(f"{type(self).__name__} serves arch {self.ARCHS}, not "
                        f"{model.cfg.arch!r} (encoder-decoder: infer.seq2seq; encoder: infer.embed)")
@@ -198,6 +230,8 @@ class Engine:
     self.tokenizer = tokenizer
     self.vocab_size, self.arch = model.cfg.vocab_size, model.cfg.arch
     self.max_seq_len, self.max_batch, self.kv_dtype = max_seq_len, max_batch, kv_dtype
+    # decode steps per jitted call in `generate` (`stream` takes one at a time)
+    self.decode_steps = decode_steps
     # keys, values (and int8 scales) of a full batch: the cache's peak footprint
     self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
     self.graphdef, self.state = nnx.split(model)
@@ -235,7 +269,7 @@ class Engine:
     request = self._request(prompt, params or SamplingParams())
 
     def tokens():
-      for step in self._run([request]):
+      for step in self._run([request], per_token=True):
         yield from (token for _, token in step)
 
     return tokens()
@@ -285,8 +319,10 @@ class Engine:
       at += m
     return tuple(map(jnp.asarray, (tokens, segments, positions, row_P, last_B)))
 
-  def _run(self, requests: list[_Request]) -> Iterator[list[tuple[_Request, Token]]]:
-    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
+  def _run(self, requests: list[_Request], per_token: bool = False
+           ) -> Iterator[list[tuple[_Request, Token]]]:
+    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens: up to
+    `decode_steps` steps per jitted call, or one with `per_token` (streaming)."""
     n = len(requests)
     b, tokens_BT, segment_ids_BT = self._padded(requests, self.max_seq_len)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
@@ -302,29 +338,52 @@ class Engine:
     carry = {"cache": cache, "seen": seen_BV}  # donated to each step, replaced by its result
     longest = max(len(r.prompt_ids) for r in requests)
     narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
+    stop_BK = self._stop_ids(requests, b)
 
     def advance(token_B, active_B, step):
-      # Step s writes row i's slot len(prompt_i) + s - 1: attend over the power of two above.
-      width = kv_cache.width_for(longest + step, self.max_seq_len) if narrow else None
-      token_B, logprob_B, carry["cache"], carry["seen"] = _decode(
+      left_B = np.array([r.params.max_tokens - len(r.token_ids) if not r.done else 0
+                         for r in requests] + [0] * (b - n), np.int32)
+      count = 1 if per_token else min(self.decode_steps, int(left_B.max()))
+      width = None
+      if narrow:
+        # Step s writes row i's slot len(prompt_i) + s - 1: attend over the power of two
+        # above, and end the call where the next step would need a wider one.
+        width = kv_cache.width_for(longest + step, self.max_seq_len)
+        count = min(count, width - longest - step + 1)
+      tokens_NB, logprobs_NB, k, carry["cache"], carry["seen"] = _decode(
           self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step,
-          width=width)
-      return token_B, logprob_B
+          count, stop_BK, left_B, steps=self.decode_steps, width=width)
+      tokens_NB, logprobs_NB, k = jax.device_get((tokens_NB, logprobs_NB, k))
+      return tokens_NB[:k], logprobs_NB[:k]
 
     yield from self._host_loop(requests, b, token_B, logprob_B, advance)
+
+  def _stop_ids(self, requests: list[_Request], b: int) -> np.ndarray:
+    """stop_BK: each row's stop token ids within the vocabulary (no other can be sampled),
+    -1 padding to a power of two, so few widths compile."""
+    ids = [sorted(t for t in r.stop_ids if 0 <= t < self.vocab_size) for r in requests]
+    k = max([len(i) for i in ids] + [1])
+    stop_BK = np.full((b, 1 << (k - 1).bit_length()), -1, np.int32)
+    for row, i in enumerate(ids):
+      stop_BK[row, :len(i)] = i
+    return stop_BK
 
   @staticmethod
   def _host_loop(requests, b, token_B, logprob_B, advance):
     """The host side of one batch: hands each step's tokens to the requests and yields the
-    streamed deltas until every request is done; `advance(token_B, active_B, step)` runs the
-    next jitted step and returns (token_B, logprob_B)."""
+    streamed deltas until every request is done. `advance(token_B, active_B, step)` runs the
+    next jitted step(s), from token index `step`, and returns (tokens_NB, logprobs_NB): N >= 1
+    steps' tokens, taken in order; a row that finishes mid-way ignores the rest."""
     n, step = len(requests), 0
+    tokens_NB, logprobs_NB = np.asarray(token_B)[None], np.asarray(logprob_B)[None]
     while True:
-      tokens, logprobs = np.asarray(token_B), np.asarray(logprob_B)
-      yield [(r, r.add(int(tokens[i]), float(logprobs[i])))
-             for i, r in enumerate(requests) if not r.done]
-      active = np.array([not r.done for r in requests] + [False] * (b - n))
-      if not active.any():
+      for tokens, logprobs in zip(tokens_NB, logprobs_NB):
+        live = [(i, r) for i, r in enumerate(requests) if not r.done]
+        if not live:
+          return
+        yield [(r, r.add(int(tokens[i]), float(logprobs[i]))) for i, r in live]
+      step += len(tokens_NB)
+      active_B = np.array([not r.done for r in requests] + [False] * (b - n))
+      if not active_B.any():
         return
-      step += 1
-      token_B, logprob_B = advance(token_B, jnp.asarray(active), step)
+      tokens_NB, logprobs_NB = advance(tokens_NB[-1], active_B, step)

@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from infer import kv_cache
@@ -142,8 +143,9 @@ class Seq2SeqEngine(Engine):
       raise ValueError("stop strings need a tokenizer (use stop_token_ids)")
     return _Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
 
-  def _run(self, requests: list[_Request]):
-    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens."""
+  def _run(self, requests: list[_Request], per_token: bool = True):
+    """Serves a batch (<= max_batch) to completion, yielding each step's new tokens (one step
+    per jitted call, whatever `per_token` says)."""
     n = len(requests)
     b, src_BS, src_segment_ids_BS = self._padded(requests, self.max_source_len)
     src_segment_ids_BS = jnp.asarray(src_segment_ids_BS)
@@ -157,6 +159,6 @@ class Seq2SeqEngine(Engine):
       token_B, logprob_B, carry["cache"], carry["seen"] = _step(
           self.graphdef, self.state, carry["cache"], enc_kv, src_segment_ids_BS, token_B,
           active_B, carry["seen"], rows, step)
-      return token_B, logprob_B
+      return np.asarray(token_B)[None], np.asarray(logprob_B)[None]
 
     yield from self._host_loop(requests, b, token_B, logprob_B, advance)

