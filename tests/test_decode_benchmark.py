@@ -93,3 +93,7 @@ def test_decode_split_quick_matmuls_emit_json():
   # the benchmark raises unless the two engines' log-probabilities differ (two kernels ran)
   assert small["same_first_tokens"] is True and 0 < small["max_first_logprob_diff"] < 1e-5
   assert small["prefill_ms"]["tiles"] > 0 and small["prefill_ms"]["naive"] > 0
+  assert set(result["steps"]) == {"small_ref_b1", "small_ref_b8"}
+  for case in result["steps"].values():  # the benchmark raises if the two engines' tokens differ
+    assert case["decode_steps"] == {"one_per_call": 1, "default": 16} and case["same_tokens"]
+    assert case["generate_ms"]["default"] > 0 and case["paired_ratio_median"] > 0
