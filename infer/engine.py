@@ -8,9 +8,9 @@
 A batch of up to `max_batch` requests runs together: one jitted prefill over
 the right-padded prompts (length bucketed by kv_cache.bucket: at least 16,
 under 25% padding), or over the prompts packed into one row where that is
-shorter (a decoder with a float cache), then one jitted decode step per token
-for the whole batch, the cache of `max_seq_len` slots per row donated from step
-to step (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
+shorter (a decoder with a float cache), then decode steps of one token per row
+for the whole batch (below), the cache of `max_seq_len` slots per row donated from
+call to call (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
 scales, about 1/4 of the float32 bytes). A float cache of several rows is read
 only up to the power of two above the batch's longest row (`kv_cache.width_for`).
 Each row's positions start at 0 and padding is never attended, so a request's
@@ -19,10 +19,10 @@ seed only. Finished rows ride along masked until the whole batch is done.
 
 `generate` runs up to `decode_steps` (16) decode steps per jitted call, in a
 `lax.while_loop` that stops each row at its stop token ids or max_tokens, so
-the host's per-step work (dispatch, transfer, detokenising) is paid once per
-call; `stream` runs one step per call. Stop strings and the text are the host's:
-a row stopped by a stop string runs on to the end of its call, the extra tokens
-ignored.
+dispatch and the device-to-host transfer are paid once per call, not per token
+(detokenising and the stop checks still run per token, between calls); `stream`
+runs one step per call. Stop strings and the text are the host's: a row stopped
+by a stop string runs on to the end of its call, the extra tokens ignored.
 """
 
 import dataclasses
@@ -144,36 +144,46 @@ def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, ro
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "width"),
                    donate_argnames=("cache", "seen_BV"))
-def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, count, stop_BK,
+def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, count, stop_BO,
             left_B, *, steps, width=None):
   """Up to `count` (<= the static `steps`) decode steps in one call, from token index `step`:
-  (tokens_NB, logprobs_NB, n, cache, seen_BV), rows [0, n) of the first two filled.
+  (tokens_IB, logprobs_IB, n, cache, seen_BV), rows [0, n) of the first two filled.
 
-  A row stops at a token in its stop_BK (-1 pads) or when left_B of its tokens remain to
-  generate, as `_Request.add` decides on the host; the loop ends early once every row has.
-  Stop strings are the host's alone: such a row runs on to the end of the call, its extra
-  tokens ignored. The host's per-step work then runs once per call, not once per token.
+  A row stops at a token in its stop_BO (-1 pads) or after left_B more tokens, as
+  `_Request.add` decides on the host; the loop ends early once every row has. Stop strings
+  are the host's alone: such a row runs on to the end of the call, its extra tokens ignored.
   """
   model = nnx.merge(graphdef, state)
   b = token_B.shape[0]
 
   def body(carry):
-    i, cache, token_B, active_B, seen_BV, left_B, tokens_NB, logprobs_NB = carry
+    i, cache, token_B, active_B, seen_BV, left_B, tokens_IB, logprobs_IB = carry
     logits_BV, cache = kv_cache.forward(model, token_B[:, None],
                                         active_B[:, None].astype(jnp.int32), cache, width=width)
     token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.full((b,), step + i, jnp.int32))
     seen_BV = mark_seen(seen_BV, token_B[:, None], active_B[:, None])
     left_B = left_B - 1
-    done_B = (jnp.any(token_B[:, None] == stop_BK, axis=1) | (left_B <= 0)
+    done_B = (jnp.any(token_B[:, None] == stop_BO, axis=1) | (left_B <= 0)
               | ~jnp.isfinite(logprob_B))
     return (i + 1, cache, token_B, active_B & ~done_B, seen_BV, left_B,
-            tokens_NB.at[i].set(token_B), logprobs_NB.at[i].set(logprob_B))
+            tokens_IB.at[i].set(token_B), logprobs_IB.at[i].set(logprob_B))
 
   carry = (jnp.int32(0), cache, token_B, active_B, seen_BV, left_B,
            jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32))
-  n, cache, _, _, seen_BV, _, tokens_NB, logprobs_NB = jax.lax.while_loop(
+  n, cache, _, _, seen_BV, _, tokens_IB, logprobs_IB = jax.lax.while_loop(
       lambda c: (c[0] < count) & jnp.any(c[3]), body, carry)
-  return tokens_NB, logprobs_NB, n, cache, seen_BV
+  return tokens_IB, logprobs_IB, n, cache, seen_BV
+
+
+def stop_ids(requests: list[_Request], b: int, vocab_size: int) -> np.ndarray:
+  """stop_BO: each row's stop token ids within the vocabulary (no other can be sampled),
+  -1 padding to a power of two, so few widths compile."""
+  ids = [sorted(t for t in r.stop_ids if 0 <= t < vocab_size) for r in requests]
+  o = max([len(i) for i in ids] + [1])
+  stop_BO = np.full((b, 1 << (o - 1).bit_length()), -1, np.int32)
+  for row, i in enumerate(ids):
+    stop_BO[row, :len(i)] = i
+  return stop_BO
 
 
 def check_request(prompt_ids: list[int], params: SamplingParams, max_seq_len: int,
@@ -335,55 +345,49 @@ class Engine:
       token_B, logprob_B, cache, seen_BV = _prefill(
           self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
-    carry = {"cache": cache, "seen": seen_BV}  # donated to each step, replaced by its result
-    longest = max(len(r.prompt_ids) for r in requests)
+    carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
     narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
-    stop_BK = self._stop_ids(requests, b)
+    stop_BO = jnp.asarray(stop_ids(requests, b, self.vocab_size))
 
     def advance(token_B, active_B, step):
+      live = [r for r in requests if not r.done]
       left_B = np.array([r.params.max_tokens - len(r.token_ids) if not r.done else 0
                          for r in requests] + [0] * (b - n), np.int32)
       count = 1 if per_token else min(self.decode_steps, int(left_B.max()))
       width = None
       if narrow:
-        # Step s writes row i's slot len(prompt_i) + s - 1: attend over the power of two
-        # above, and end the call where the next step would need a wider one.
-        width = kv_cache.width_for(longest + step, self.max_seq_len)
-        count = min(count, width - longest - step + 1)
-      tokens_NB, logprobs_NB, k, carry["cache"], carry["seen"] = _decode(
+        # Step s writes live row i's slot len(prompt_i) + s - 1 < max_seq_len: attend over
+        # the power of two above, and end the call where the next step would need a wider
+        # one. Finished rows (a longer prompt, perhaps) no longer count.
+        reach = max(len(r.prompt_ids) for r in live) + step
+        width = kv_cache.width_for(reach, self.max_seq_len)
+        count = min(count, width - reach + 1)
+      tokens_IB, logprobs_IB, i, carry["cache"], carry["seen"] = _decode(
           self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step,
-          count, stop_BK, left_B, steps=self.decode_steps, width=width)
-      tokens_NB, logprobs_NB, k = jax.device_get((tokens_NB, logprobs_NB, k))
-      return tokens_NB[:k], logprobs_NB[:k]
+          count, stop_BO, left_B, steps=self.decode_steps, width=width)
+      tokens_IB, logprobs_IB, i = jax.device_get((tokens_IB, logprobs_IB, i))
+      return tokens_IB[:i], logprobs_IB[:i]
 
     yield from self._host_loop(requests, b, token_B, logprob_B, advance)
-
-  def _stop_ids(self, requests: list[_Request], b: int) -> np.ndarray:
-    """stop_BK: each row's stop token ids within the vocabulary (no other can be sampled),
-    -1 padding to a power of two, so few widths compile."""
-    ids = [sorted(t for t in r.stop_ids if 0 <= t < self.vocab_size) for r in requests]
-    k = max([len(i) for i in ids] + [1])
-    stop_BK = np.full((b, 1 << (k - 1).bit_length()), -1, np.int32)
-    for row, i in enumerate(ids):
-      stop_BK[row, :len(i)] = i
-    return stop_BK
 
   @staticmethod
   def _host_loop(requests, b, token_B, logprob_B, advance):
     """The host side of one batch: hands each step's tokens to the requests and yields the
     streamed deltas until every request is done. `advance(token_B, active_B, step)` runs the
-    next jitted step(s), from token index `step`, and returns (tokens_NB, logprobs_NB): N >= 1
+    next jitted step(s), from token index `step`, and returns (tokens_IB, logprobs_IB): I >= 1
     steps' tokens, taken in order; a row that finishes mid-way ignores the rest."""
     n, step = len(requests), 0
-    tokens_NB, logprobs_NB = np.asarray(token_B)[None], np.asarray(logprob_B)[None]
+    tokens_IB, logprobs_IB = np.asarray(token_B)[None], np.asarray(logprob_B)[None]
     while True:
-      for tokens, logprobs in zip(tokens_NB, logprobs_NB):
+      if not len(tokens_IB):  # the loop ran no step: no progress would ever be made
+        raise RuntimeError(f"a decode call from token {step} returned no tokens")
+      for tokens_B, logprobs_B in zip(tokens_IB, logprobs_IB):
         live = [(i, r) for i, r in enumerate(requests) if not r.done]
         if not live:
           return
-        yield [(r, r.add(int(tokens[i]), float(logprobs[i]))) for i, r in live]
-      step += len(tokens_NB)
+        yield [(r, r.add(int(tokens_B[i]), float(logprobs_B[i]))) for i, r in live]
+      step += len(tokens_IB)
       active_B = np.array([not r.done for r in requests] + [False] * (b - n))
       if not active_B.any():
         return
-      tokens_NB, logprobs_NB = advance(tokens_NB[-1], active_B, step)
+      tokens_IB, logprobs_IB = advance(tokens_IB[-1], active_B, step)

