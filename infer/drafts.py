@@ -1,6 +1,6 @@
 """Draft proposers for speculative decoding (infer/speculative.py drives them).
 
-A draft has three methods, called once per request / round by the decoder:
+A model draft has three methods, called once per request / round by the decoder:
 
   start(prompt_ids, cache_len)        a new request
   propose(tokens, gamma, seen_1V, rows, step) -> (drafts_Y, k, q_YV or None)
@@ -12,11 +12,14 @@ A draft has three methods, called once per request / round by the decoder:
                                       (q one-hot)
   accepted(n)                         the target kept the first n drafts
 
-and a `passes` counter of its own forward passes (0 for prompt lookup).
+and a `passes` counter of its own forward passes.
 
 `ModelDraft` samples from a smaller model under the request's own sampling
 parameters (so q is comparable to the target's p); `PromptLookupDraft` copies
-what followed the most recent earlier occurrence of the text's last n-gram.
+what followed the most recent earlier occurrence of the text's last n-gram. Its
+drafts cost no forward pass, so the decoder runs its rounds on the device: it
+has `propose_on_device(tokens_S, length, gamma, y) -> (drafts_Y, k)` instead
+(`lookup_on_device`, whose readable reference is `lookup`).
 """
 
 import functools
@@ -154,9 +157,34 @@ def lookup(tokens, gamma, max_ngram, min_ngram=1):
   return []
 
 
+def lookup_on_device(tokens_S, length, gamma, y, max_ngram, min_ngram=1):
+  """`lookup` in jnp, for a loop on the device: the first `length` of tokens_S are the text
+  (the rest is ignored), gamma <= y (static) may be traced. Returns (drafts_Y, k):
+  drafts_Y[:k] the proposal, zeros after; k = 0 when no n-gram recurs. tokens_S needs
+  y slots to spare past `length` (dynamic_slice would shift a slice that runs off the end)."""
+  j_S = jnp.arange(tokens_S.shape[0])
+  start, found = jnp.int32(0), jnp.bool_(False)
+  for n in range(max_ngram, min_ngram - 1, -1):
+    suffix = jax.lax.dynamic_slice(tokens_S, (jnp.maximum(length - n, 0),), (n,))  # n tokens
+    # window j = tokens[j:j + n], excluding the suffix itself (j + n <= length - 1)
+    match_S = j_S <= length - 1 - n
+    for i in range(n):  # tokens_S[j + i]; j + i < length, so the roll never wraps
+      match_S &= jnp.roll(tokens_S, -i) == suffix[i]
+    hit = jnp.max(jnp.where(match_S, j_S, -1))  # the most recent occurrence
+    start = jnp.where(~found & (hit >= 0), hit + n, start)
+    found |= hit >= 0
+  k = jnp.where(found, jnp.minimum(gamma, length - start), 0).astype(jnp.int32)
+  drafts_Y = jax.lax.dynamic_slice(tokens_S, (start,), (y,))
+  return jnp.where(jnp.arange(y) < k, drafts_Y, 0), k
+
+
 class PromptLookupDraft:
   """Proposes by copying earlier text (prompt + output): free, strong when the output quotes
-  its input (edits, summaries, code). Its drafts are certain: q is one-hot."""
+  its input (edits, summaries, code). Its drafts are certain: q is one-hot.
+
+  Its rounds run on the device (SpeculativeDecoder calls `propose_on_device` inside one
+  jitted loop per request), so it has no host-side `propose`. Equal settings compare equal:
+  the draft is a static argument of that loop."""
 
   def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
     if not 1 <= min_ngram <= max_ngram:
@@ -165,14 +193,21 @@ class PromptLookupDraft:
     self.max_ngram, self.min_ngram = max_ngram, min_ngram
     self.passes = 0
 
+  def _key(self):
+    return type(self), self.max_ngram, self.min_ngram
+
+  def __eq__(self, other):
+    return isinstance(other, PromptLookupDraft) and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
   def start(self, prompt_ids, cache_len):
     pass
 
-  def propose(self, tokens, gamma, seen_1V, rows, step):
-    drafts = lookup(tokens, gamma, self.max_ngram, self.min_ngram)
-    # Two chunk shapes per gamma (a miss, or drafts padded to gamma) bound the compilations.
-    padded = drafts + [0] * (gamma - len(drafts)) if drafts else []
-    return jnp.asarray(padded, jnp.int32), len(drafts), None
+  def propose_on_device(self, tokens_S, length, gamma, y):
+    """(drafts_Y, k) for the text tokens_S[:length]: `lookup_on_device`."""
+    return lookup_on_device(tokens_S, length, gamma, y, self.max_ngram, self.min_ngram)
 
   def accepted(self, n):
     pass

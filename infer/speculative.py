@@ -20,9 +20,12 @@ the output is the target's greedy output token for token. Randomness is
 fold_in(fold_in(key(seed), step), stream) with step the index of the round's
 first new token: reproducible per request, independent of the draft's stream.
 
-One request at a time (batch 1). Shapes are static per gamma (short lookup
-proposals are padded to gamma, a lookup miss verifies just x), so jit compiles
-at most 2 verification and 1 draft variant per gamma value.
+One request at a time (batch 1). A model draft's rounds are driven from the
+host, one `_verify` call per round; prompt lookup's run all on the device, the
+n-gram match included (`_lookup_rounds`: one call per request, no dispatch or
+transfer per round). Shapes are static per gamma (short lookup proposals are
+padded to gamma, a lookup miss verifies just x, through a `lax.cond`), so jit
+compiles one loop, or one verification and one draft variant, per gamma value.
 """
 
 import dataclasses
@@ -67,11 +70,9 @@ def accept(p_TV, q_YV, drafts_Y, key, n_drafts=None):
   return n, jax.random.categorical(r_key, jnp.log(residual_V)).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_1V"))
-def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
+def verify(model, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
   """One target pass over [last, drafts[:n_drafts]] (the rest is padding):
   (n, emitted_T, logprobs_T, cache, seen_1V); emitted_T[:n + 1] are the new tokens."""
-  model = nnx.merge(graphdef, state)
   t, v = drafts_Y.shape[0] + 1, model.cfg.vocab_size
   chunk_1T = jnp.concatenate([last_1, drafts_Y])[None]
   real_1T = (jnp.arange(t) <= n_drafts).astype(jnp.int32)[None]
@@ -91,6 +92,67 @@ def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, r
   cache = kv_cache.truncate(cache, cache.lengths_B - n_drafts + n)  # drop the rejected drafts
   seen_1V = mark_seen(seen_1V, emitted_T[None], (jnp.arange(t) <= n)[None])
   return n, emitted_T, logprobs_T, cache, seen_1V
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_1V"))
+def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
+  """`verify` as one call: a round driven from the host (a model draft)."""
+  return verify(nnx.merge(graphdef, state), cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V,
+                rows, step)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "draft", "gamma", "adaptive"))
+def _lookup_rounds(graphdef, state, cache, seen_1V, tokens_S, length, max_tokens, stop_O, rows,
+                   *, draft, gamma, adaptive):
+  """A whole request's rounds with a draft that proposes on the device (prompt lookup), in one
+  `lax.while_loop`: the host's loop below, without a dispatch and a transfer per round.
+
+  tokens_S holds the prompt (`length` tokens) and room for the output plus 2 * (gamma + 1)
+  slots. Returns (tokens_S, logprobs_S, end, rounds, k_R, n_R, finish): the output is
+  tokens_S[prompt:end]; round r proposed k_R[r] drafts and kept n_R[r]; finish 1 = a stop
+  token, 2 = max_tokens.
+  """
+  model = nnx.merge(graphdef, state)
+  t, prompt = gamma + 1, length
+
+  def body(carry):
+    r, cache, seen_1V, tokens_S, logprobs_S, length, g, _, k_R, n_R = carry
+    step = length - prompt  # tokens generated so far: the round's key
+    drafts_Y, k = draft.propose_on_device(tokens_S, length, g, gamma)
+    last_1 = jax.lax.dynamic_slice(tokens_S, (length - 1,), (1,))
+
+    def drafted(cache, seen_1V):
+      return verify(model, cache, last_1, drafts_Y, k, None, seen_1V, rows, step)
+
+    def missed(cache, seen_1V):  # no n-gram recurs: verify the last token alone, as the host did
+      n, emitted_1, logprobs_1, cache, seen_1V = verify(model, cache, last_1, drafts_Y[:0], 0,
+                                                        None, seen_1V, rows, step)
+      pad = lambda a: jnp.pad(a, (0, gamma))
+      return n, pad(emitted_1), pad(logprobs_1), cache, seen_1V
+
+    n, emitted_T, logprobs_T, cache, seen_1V = jax.lax.cond(k > 0, drafted, missed, cache,
+                                                            seen_1V)
+    # The first of emitted_T[:n + 1] that is a stop token or the max_tokens-th ends the request.
+    i_T = jnp.arange(t)
+    stop_T = jnp.any(emitted_T[:, None] == stop_O[None], axis=1)
+    end_T = (i_T <= n) & (stop_T | (step + i_T + 1 >= max_tokens))
+    e = jnp.argmax(end_T)
+    finish = jnp.where(jnp.any(end_T), jnp.where(stop_T[e], 1, 2), 0).astype(jnp.int32)
+    tokens_S = jax.lax.dynamic_update_slice(tokens_S, emitted_T, (length,))
+    logprobs_S = jax.lax.dynamic_update_slice(logprobs_S, logprobs_T, (length,))
+    if adaptive:  # a miss (k = 0) says nothing about gamma
+      g = jnp.where(k == 0, g, jnp.where(n == k, jnp.minimum(g + 1, gamma),
+                                         jnp.where(n == 0, jnp.maximum(g - 1, 1), g)))
+    return (r + 1, cache, seen_1V, tokens_S, logprobs_S,
+            length + jnp.where(finish > 0, e + 1, n + 1), g, finish, k_R.at[r].set(k),
+            n_R.at[r].set(n))
+
+  s = tokens_S.shape[0]
+  carry = (jnp.int32(0), cache, seen_1V, tokens_S, jnp.zeros((s,), jnp.float32), length,
+           jnp.int32(gamma), jnp.int32(0), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.int32))
+  r, _, _, tokens_S, logprobs_S, end, _, finish, k_R, n_R = jax.lax.while_loop(
+      lambda c: c[7] == 0, body, carry)
+  return tokens_S, logprobs_S, end, r, k_R, n_R, finish
 
 
 @dataclasses.dataclass
@@ -185,34 +247,58 @@ class SpeculativeDecoder:
                              length=len(prompt_ids), max_len=self.cache_len)
     self.draft.start(prompt_ids, self.cache_len)
     passes0 = self.draft.passes
-    stats = SpecStats([0] * self.gamma, [0] * self.gamma)
+    rounds = self._device_rounds if isinstance(self.draft, PromptLookupDraft) else self._rounds
+    out, logprobs, k_R, n_R, finish = rounds(prompt_ids, params, rows, cache, seen_1V, stop_ids)
+    stats = SpecStats([0] * self.gamma, [0] * self.gamma, target_passes=len(k_R),
+                      draft_passes=self.draft.passes - passes0, tokens=len(out),
+                      finish_reason=finish, logprobs=logprobs if params.logprobs else None,
+                      gammas=list(k_R))
+    for k, n in zip(k_R, n_R):
+      for i in range(k):
+        stats.proposed_Y[i] += 1
+        stats.accepted_Y[i] += i < n
+    return out, stats
+
+  def _rounds(self, prompt_ids, params, rows, cache, seen_1V, stop_ids):
+    """The rounds driven from the host, one `_verify` call each (a model draft):
+    (output, its logprobs, drafts proposed and kept per round, finish reason)."""
     tokens, out, logprobs, gamma = list(prompt_ids), [], [], self.gamma
-    while not stats.finish_reason:
+    k_R, n_R, finish = [], [], ""
+    while not finish:
       drafts_Y, k, q_YV = self.draft.propose(tokens, gamma, seen_1V, rows, len(out))
       n, emitted_T, logprobs_T, cache, seen_1V = _verify(
           self.graphdef, self.state, cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
           q_YV, seen_1V, rows, len(out))
       n = int(n)
       self.draft.accepted(n)
-      stats.target_passes += 1
-      stats.gammas.append(k)
-      for i in range(k):
-        stats.proposed_Y[i] += 1
-        stats.accepted_Y[i] += i < n
+      k_R.append(k)
+      n_R.append(n)
       new = np.asarray(emitted_T)[:n + 1].tolist()
       for token, logprob in zip(new, np.asarray(logprobs_T).tolist()):
         out.append(token)
         logprobs.append(logprob)
         if token in stop_ids:
-          stats.finish_reason = "stop"
+          finish = "stop"
         elif len(out) >= params.max_tokens:
-          stats.finish_reason = "length"
-        if stats.finish_reason:
+          finish = "length"
+        if finish:
           break
       tokens.extend(new)
-      if self.adaptive and k:  # a lookup miss (k = 0) says nothing about gamma
+      if self.adaptive:
         gamma = min(gamma + 1, self.gamma) if n == k else max(gamma - 1, 1) if n == 0 else gamma
-    stats.draft_passes = self.draft.passes - passes0
-    stats.tokens = len(out)
-    stats.logprobs = logprobs if params.logprobs else None
-    return out, stats
+    return out, logprobs, k_R, n_R, finish
+
+  def _device_rounds(self, prompt_ids, params, rows, cache, seen_1V, stop_ids):
+    """`_rounds` for prompt lookup: all rounds in one `_lookup_rounds` call."""
+    p = len(prompt_ids)
+    tokens_S = np.zeros(self.cache_len + 2 * (self.gamma + 1), np.int32)
+    tokens_S[:p] = prompt_ids
+    stop = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)  # no other can be sampled
+    stop_O = np.full(1 << max(len(stop) - 1, 0).bit_length(), -1, np.int32)
+    stop_O[:len(stop)] = stop
+    tokens_S, logprobs_S, end, r, k_R, n_R, finish = jax.device_get(_lookup_rounds(
+        self.graphdef, self.state, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
+        jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,
+        gamma=self.gamma, adaptive=self.adaptive))
+    return (tokens_S[p:end].tolist(), logprobs_S[p:end].tolist(), k_R[:r].tolist(),
+            n_R[:r].tolist(), {1: "stop", 2: "length"}[int(finish)])

@@ -8,7 +8,7 @@ from flax import nnx
 from scipy import stats as scipy_stats
 
 from infer import Engine, SamplingParams, generate
-from infer.drafts import lookup, sampling_probs
+from infer.drafts import lookup, lookup_on_device, sampling_probs
 from infer.sampling import RowParams
 from infer.speculative import ModelDraft, PromptLookupDraft, SpeculativeDecoder, accept
 from models import ModelConfig, Transformer
@@ -139,21 +139,27 @@ def test_greedy_acceptance_is_argmax_matching():
   assert (int(n), int(out)) == (1, 5)  # a padded draft is never kept
 
 
-def test_sampled_first_token_follows_the_target_distribution(target, draft_model):
-  """2000 seeds of the whole decoder (a different model's 3 drafts, top-k 8, temperature 1).
+@pytest.mark.parametrize("kind", ["model", "lookup"])
+def test_sampled_first_token_follows_the_target_distribution(target, draft_model, kind):
+  """2000 seeds of the whole decoder (temperature 1, top-k 8): a different model's 3 drafts,
+  or prompt lookup's (on the device) on a prompt that repeats itself, so it always drafts.
 
   With n draws over K = 8 tokens, E[TV(empirical, p)] <= 0.5 * sqrt(K / n) = 0.032, and
   McDiarmid (one draw moves TV by <= 1/n) gives P(TV > E + 0.045) <= exp(-2 n 0.045^2) = 3e-4:
   threshold 0.077. Sampling the draft's own distribution instead would be off by TV(p, q),
   asserted to be far larger.
   """
-  prompt, draws = PROMPTS[0], 2000
+  prompt, draws = (PROMPTS[0] if kind == "model" else PROMPTS[3]), 2000
   params = dict(max_tokens=1, temperature=1.0, top_k=8)
   rows = RowParams.stack([SamplingParams(**params)])
   seen = jnp.zeros((1, 64), bool).at[0, jnp.asarray(prompt)].set(True)
   p_of = lambda m: np.asarray(sampling_probs(m(jnp.asarray([prompt]))[:, -1], seen, rows))[0]
-  p, q = p_of(target), p_of(draft_model)
-  decoder = _decoder(target, draft_model, "model")
+  p = p_of(target)
+  if kind == "model":
+    q = p_of(draft_model)
+  else:  # a lookup draft is certain: q is one-hot at the token it copies
+    q = np.eye(64)[lookup(prompt, 3, max_ngram=3)[0]]
+  decoder = _decoder(target, draft_model, kind)
   firsts = [decoder.generate(prompt, SamplingParams(seed=s, **params))[0][0] for s in range(draws)]
   empirical = np.bincount(firsts, minlength=64) / draws
   assert 0.5 * np.abs(empirical - p).sum() < 0.077
@@ -193,6 +199,35 @@ def test_prompt_lookup_finds_the_most_recent_longest_match():
   assert lookup([7, 1, 2, 3, 5, 1, 2, 3], 2, max_ngram=3) == [5, 1]  # 3-gram [1, 2, 3]
   assert lookup([1, 2, 3, 4], 3, max_ngram=3) == []
   assert lookup([5, 5], 4, max_ngram=3) == [5]
+
+
+def test_lookup_on_the_device_is_the_reference_lookup():
+  """The jnp lookup the device loop runs against `lookup`, on random texts over 4 tokens
+  (so n-grams recur, or not, at every length) with garbage past the text."""
+  rng = np.random.default_rng(0)
+  y, s = 6, 40
+  fn = jax.jit(lookup_on_device, static_argnames=("y", "max_ngram", "min_ngram"))
+  checked = 0
+  for max_ngram, min_ngram in ((3, 1), (3, 2), (1, 1), (4, 4)):
+    for length in range(1, s - y):
+      tokens_S = rng.integers(0, 4, s).astype(np.int32)
+      for gamma in (1, 3, y):
+        expected = lookup(tokens_S[:length].tolist(), gamma, max_ngram, min_ngram)
+        drafts_Y, k = fn(jnp.asarray(tokens_S), length, gamma, y=y, max_ngram=max_ngram,
+                         min_ngram=min_ngram)
+        assert int(k) == len(expected), (length, gamma, max_ngram, min_ngram)
+        assert np.asarray(drafts_Y).tolist() == expected + [0] * (y - len(expected))
+        checked += bool(expected)
+  assert checked > 200  # most cases found a match: the comparison is not all misses
+
+
+def test_lookup_logprobs_are_the_engines(target, engine):
+  params = SamplingParams(max_tokens=N, logprobs=True)
+  decoder = SpeculativeDecoder(target, PromptLookupDraft(max_ngram=3), gamma=3, max_seq_len=64)
+  for prompt, result in zip(PROMPTS, engine.generate(PROMPTS, params)):
+    ids, stats = decoder.generate(prompt, params)
+    assert ids == result.token_ids
+    np.testing.assert_allclose(stats.logprobs, result.logprobs, atol=1e-5)
 
 
 def test_bad_inputs_raise_value_errors(target, draft_model):
