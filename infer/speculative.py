@@ -101,16 +101,18 @@ def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, r
                 rows, step)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "draft", "gamma", "adaptive"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "draft", "gamma", "adaptive"),
+                   donate_argnames=("cache", "seen_1V"))
 def _lookup_rounds(graphdef, state, cache, seen_1V, tokens_S, length, max_tokens, stop_O, rows,
                    *, draft, gamma, adaptive):
   """A whole request's rounds with a draft that proposes on the device (prompt lookup), in one
   `lax.while_loop`: the host's loop below, without a dispatch and a transfer per round.
 
   tokens_S holds the prompt (`length` tokens) and room for the output plus 2 * (gamma + 1)
-  slots. Returns (tokens_S, logprobs_S, end, rounds, k_R, n_R, finish): the output is
-  tokens_S[prompt:end]; round r proposed k_R[r] drafts and kept n_R[r]; finish 1 = a stop
-  token, 2 = max_tokens.
+  slots. Returns (tokens_S, logprobs_S, end, rounds, k_R, n_R, finish, cache, seen_1V): the
+  output is tokens_S[prompt:end]; round r proposed k_R[r] drafts and kept n_R[r] (both padded
+  to S entries: a round makes at least one token); finish 1 = a stop token, 2 = max_tokens.
+  The cache and seen set come back only so that the donated inputs' buffers can serve the loop.
   """
   model = nnx.merge(graphdef, state)
   t, prompt = gamma + 1, length
@@ -150,9 +152,9 @@ def _lookup_rounds(graphdef, state, cache, seen_1V, tokens_S, length, max_tokens
   s = tokens_S.shape[0]
   carry = (jnp.int32(0), cache, seen_1V, tokens_S, jnp.zeros((s,), jnp.float32), length,
            jnp.int32(gamma), jnp.int32(0), jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.int32))
-  r, _, _, tokens_S, logprobs_S, end, _, finish, k_R, n_R = jax.lax.while_loop(
+  r, cache, seen_1V, tokens_S, logprobs_S, end, _, finish, k_R, n_R = jax.lax.while_loop(
       lambda c: c[7] == 0, body, carry)
-  return tokens_S, logprobs_S, end, r, k_R, n_R, finish
+  return tokens_S, logprobs_S, end, r, k_R, n_R, finish, cache, seen_1V
 
 
 @dataclasses.dataclass
@@ -284,7 +286,7 @@ class SpeculativeDecoder:
         if finish:
           break
       tokens.extend(new)
-      if self.adaptive:
+      if self.adaptive and k:  # a draft that found nothing (k = 0) says nothing about gamma
         gamma = min(gamma + 1, self.gamma) if n == k else max(gamma - 1, 1) if n == 0 else gamma
     return out, logprobs, k_R, n_R, finish
 
@@ -296,9 +298,10 @@ class SpeculativeDecoder:
     stop = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)  # no other can be sampled
     stop_O = np.full(1 << max(len(stop) - 1, 0).bit_length(), -1, np.int32)
     stop_O[:len(stop)] = stop
-    tokens_S, logprobs_S, end, r, k_R, n_R, finish = jax.device_get(_lookup_rounds(
+    *out, _, _ = _lookup_rounds(
         self.graphdef, self.state, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
         jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,
-        gamma=self.gamma, adaptive=self.adaptive))
+        gamma=self.gamma, adaptive=self.adaptive)
+    tokens_S, logprobs_S, end, r, k_R, n_R, finish = jax.device_get(out)
     return (tokens_S[p:end].tolist(), logprobs_S[p:end].tolist(), k_R[:r].tolist(),
             n_R[:r].tolist(), {1: "stop", 2: "length"}[int(finish)])

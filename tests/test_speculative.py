@@ -230,6 +230,57 @@ def test_lookup_logprobs_are_the_engines(target, engine):
     np.testing.assert_allclose(stats.logprobs, result.logprobs, atol=1e-5)
 
 
+class HostLookup(ModelDraft):
+  """Prompt lookup proposed from the host, as before its rounds moved to the device: the
+  decoder drives it round by round (`_rounds`), so the two paths can be compared."""
+
+  def __init__(self, target, width, max_ngram=3):
+    self.cfg, self.width, self.max_ngram, self.passes = target.cfg, width, max_ngram, 0
+
+  def start(self, prompt_ids, cache_len):
+    pass
+
+  def propose(self, tokens, gamma, seen_1V, rows, step):
+    drafts = lookup(tokens, gamma, self.max_ngram)
+    padded = drafts + [0] * (self.width - len(drafts)) if drafts else []  # the loop's shapes
+    return jnp.asarray(padded, jnp.int32), len(drafts), None
+
+  def accepted(self, n):
+    pass
+
+
+def test_lookup_rounds_on_the_device_are_the_host_rounds(target, plain):
+  """Greedy and sampled, with a repetition penalty, adaptive gamma and stop ids: the device
+  loop makes the host loop's rounds (drafts proposed and kept), tokens, log-probabilities and
+  finish. (A wrong step in gamma's rule, or a round key off by one, fails this.)"""
+  kw = dict(gamma=3, max_seq_len=64, adaptive=True)
+  host = SpeculativeDecoder(target, HostLookup(target, 3), **kw)
+  device = SpeculativeDecoder(target, PromptLookupDraft(max_ngram=3), **kw)
+  finishes, gammas = set(), set()
+  for temperature, seed in ((0.0, 0), (1.0, 0), (1.0, 1), (1.0, 2)):
+    for prompt, expected in zip(PROMPTS, plain):
+      # up to 40 tokens: long enough for lookup to find the text's loops and gamma to climb
+      params = SamplingParams(max_tokens=40, temperature=temperature, top_p=0.9,
+                              repetition_penalty=1.3, seed=seed, logprobs=True,
+                              stop_token_ids=(expected[4],))
+      (a, sa), (b, sb) = host.generate(prompt, params), device.generate(prompt, params)
+      assert a == b and sa.gammas == sb.gammas, (seed, prompt)
+      assert sa.accepted_Y == sb.accepted_Y and sa.finish_reason == sb.finish_reason
+      np.testing.assert_allclose(sa.logprobs, sb.logprobs, atol=1e-6)
+      finishes.add(sb.finish_reason)
+      gammas.update(sb.gammas)
+  assert finishes == {"stop", "length"} and {1, 2, 3} <= gammas  # both ends, and gamma moved
+
+
+def test_policy_replay_counts_the_decoders_passes(target, draft_model, plain):
+  """benchmarks/lookup_policy.py prices greedy lookup by replaying it on the output text."""
+  from benchmarks.lookup_policy import replay
+  decoder = _decoder(target, draft_model, "lookup")  # gamma 3, n-grams 3..1
+  passes = sum(decoder.generate(p, SamplingParams(max_tokens=N))[1].target_passes
+               for p in PROMPTS)
+  assert replay(list(zip(PROMPTS, plain)), 3, 3, 1, {1: 1.0, 4: 1.0})[0] == passes
+
+
 def test_bad_inputs_raise_value_errors(target, draft_model):
   lk = PromptLookupDraft()
   for gamma in (0, 2.5, 17):
