@@ -42,6 +42,7 @@ def test_decode_speculative_quick_emits_json():
   lookup_side = result["methods"]["prompt_lookup"]
   assert (lookup_side["gamma"], lookup_side["max_ngram"], lookup_side["min_ngram"]) == (6, 4, 2)
   assert lookup_side["timed_rounds"] == 1 and lookup_side["tokens"] > 0
+  assert len(result["per_round_speedup"]) == 1 and result["per_round_speedup"][0] > 0
   assert len(lookup_side["per_position_rate"]) == 6
   assert 0 < lookup_side["target_passes"] <= lookup_side["tokens"]
   for name in ("plain", "no_draft", "prompt_lookup"):
