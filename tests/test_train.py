@@ -171,8 +171,13 @@ ckpt.wait()
 helper = [os.sched_getscheduler(t.native_id) == os.SCHED_IDLE
           for t in __import__("threading").enumerate() if t.name.startswith("meshlm-ckpt")]
 ckpt.close()
-pools = [int(t) for t in os.listdir("/proc/self/task")
-         if open(f"/proc/self/task/{t}/comm").read().startswith("ts_pool")]
+def comm(tid):
+  try:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+      return f.read()
+  except FileNotFoundError:  # the thread exited between the listing and the read
+    return ""
+pools = [int(t) for t in os.listdir("/proc/self/task") if comm(t).startswith("ts_pool")]
 restored, step = Checkpointer(sys.argv[1], keep=2).restore(jax.tree.map(jnp.zeros_like, state), data())
 assert step == 2, step
 np.testing.assert_array_equal(restored["w_DF"], state["w_DF"] + 2)
