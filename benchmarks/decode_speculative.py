@@ -123,7 +123,7 @@ def run(quick: bool = False) -> dict:
   rounds = 1 if quick else ROUNDS
   for r in range(rounds):
     round_walls.append({name: 0.0 for name in methods})
-    for pid, ids in prompts:
+    for j, (pid, ids) in enumerate(prompts):
       for name, fn in methods.items():
         start = time.perf_counter()
         out, stats = fn(ids)
@@ -134,7 +134,7 @@ def run(quick: bool = False) -> dict:
           outputs[name].append(out)
           if name == "prompt_lookup":
             all_stats.append((pid, stats))
-        elif out != outputs[name][prompts.index((pid, ids))]:
+        elif out != outputs[name][j]:
           raise RuntimeError(f"{name} decoded {pid} differently in timed round {r + 1}")
         log(f"round {r + 1} {pid} {name}: {len(out)} tokens in {elapsed:.2f} s")
   tokens = {name: sum(map(len, outs)) for name, outs in outputs.items()}

@@ -175,10 +175,10 @@ def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, coun
   return tokens_IB, logprobs_IB, n, cache, seen_BV
 
 
-def stop_ids(requests: list[_Request], b: int, vocab_size: int) -> np.ndarray:
-  """stop_BO: each row's stop token ids within the vocabulary (no other can be sampled),
-  -1 padding to a power of two, so few widths compile."""
-  ids = [sorted(t for t in r.stop_ids if 0 <= t < vocab_size) for r in requests]
+def stop_ids(id_sets, b: int, vocab_size: int) -> np.ndarray:
+  """stop_BO: each row's stop token ids (one set per request) within the vocabulary (no
+  other can be sampled), -1 padding to a power of two, so few widths compile."""
+  ids = [sorted(t for t in s if 0 <= t < vocab_size) for s in id_sets]
   o = max([len(i) for i in ids] + [1])
   stop_BO = np.full((b, 1 << (o - 1).bit_length()), -1, np.int32)
   for row, i in enumerate(ids):
@@ -347,7 +347,7 @@ class Engine:
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
     narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
-    stop_BO = jnp.asarray(stop_ids(requests, b, self.vocab_size))
+    stop_BO = jnp.asarray(stop_ids([r.stop_ids for r in requests], b, self.vocab_size))
 
     def advance(token_B, active_B, step):
       left_B = np.array([r.params.max_tokens - len(r.token_ids) if not r.done else 0

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-from infer.engine import check_request
+from infer.engine import check_request, stop_ids as engine_stop_ids  # `stop_ids`: a local
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
@@ -295,9 +295,7 @@ class SpeculativeDecoder:
     p = len(prompt_ids)
     tokens_S = np.zeros(self.cache_len + 2 * (self.gamma + 1), np.int32)
     tokens_S[:p] = prompt_ids
-    stop = sorted(t for t in stop_ids if 0 <= t < self.vocab_size)  # no other can be sampled
-    stop_O = np.full(1 << max(len(stop) - 1, 0).bit_length(), -1, np.int32)
-    stop_O[:len(stop)] = stop
+    stop_O = engine_stop_ids([stop_ids], 1, self.vocab_size)[0]
     *out, _, _ = _lookup_rounds(
         self.graphdef, self.state, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
         jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,
