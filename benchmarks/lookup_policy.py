@@ -50,11 +50,14 @@ def pass_costs(model, ts, cache_len=512, at=256, passes=10, repeats=5):
   from flax import nnx
 
   from infer import kv_cache
+  from models import layer_weights
   graphdef, state = nnx.split(model)
+  if jax.default_backend() == "cpu":  # as SpeculativeDecoder runs the target there
+    state = layer_weights.unstack(state)
 
   @functools.partial(jax.jit, static_argnames=("t",))
   def run(state, cache, *, t):
-    m = nnx.merge(graphdef, state)
+    m = layer_weights.merge(graphdef, state)
 
     def body(i, carry):
       cache, acc = carry

@@ -23,6 +23,9 @@ dispatch and the device-to-host transfer are paid once per call, not per token
 (detokenising and the stop checks still run per token, between calls); `stream`
 runs one step per call. Stop strings and the text are the host's: a row stopped
 by a stop string runs on to the end of its call, the extra tokens ignored.
+
+On CPU the layers run unrolled over per-layer weight buffers (`unroll_layers`,
+models/layer_weights.py), each writing its keys and values into the cache in place.
 """
 
 import dataclasses
@@ -36,6 +39,7 @@ from flax import nnx
 
 import parallel
 from infer import kv_cache
+from models import layer_weights
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
 
 
@@ -120,8 +124,8 @@ class _Request:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
-def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
-  model = nnx.merge(graphdef, state)
+def _prefill(graphdef, weights, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
+  model = layer_weights.merge(graphdef, weights)
   cache = kv_cache.init(model.cfg, tokens_BT.shape[0], max_len, kv_dtype)
   logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT, cache)
   seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), tokens_BT, segment_ids_BT > 0)
@@ -130,9 +134,9 @@ def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dt
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "batch", "max_len", "kv_dtype"))
-def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B, rows,
+def _prefill_packed(graphdef, weights, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B, rows,
                     *, batch, max_len, kv_dtype=None):
-  model = nnx.merge(graphdef, state)
+  model = layer_weights.merge(graphdef, weights)
   cache = kv_cache.init(model.cfg, batch, max_len, kv_dtype)
   logits_BV, cache = kv_cache.prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P,
                                              last_B, cache)
@@ -144,7 +148,7 @@ def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, ro
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "width"),
                    donate_argnames=("cache", "seen_BV"))
-def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, count, stop_BO,
+def _decode(graphdef, weights, cache, token_B, active_B, seen_BV, rows, step, count, stop_BO,
             left_B, *, steps, width=None):
   """Up to `count` (<= the static `steps`) decode steps in one call, from token index `step`:
   (tokens_IB, logprobs_IB, n, cache, seen_BV), rows [0, n) of the first two filled.
@@ -153,7 +157,7 @@ def _decode(graphdef, state, cache, token_B, active_B, seen_BV, rows, step, coun
   `_Request.add` decides on the host; the loop ends early once every row has. Stop strings
   are the host's alone: such a row runs on to the end of the call, its extra tokens ignored.
   """
-  model = nnx.merge(graphdef, state)
+  model = layer_weights.merge(graphdef, weights)
   b = token_B.shape[0]
 
   def body(carry):
@@ -223,7 +227,8 @@ class Engine:
   PACK_MAX = 1024  # the longest packed prefill row (see _packed)
 
   def __init__(self, model, tokenizer, max_seq_len: int | None = None, max_batch: int = 8, *,
-               kv_dtype: str | None = None, decode_steps: int = 16):
+               kv_dtype: str | None = None, decode_steps: int = 16,
+               unroll_layers: bool | None = None):
     kv_cache.check_kv_dtype(kv_dtype)
     if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
       raise ValueError(f"Engine decode_steps={decode_steps!r} must be an integer >= 1")
@@ -244,7 +249,27 @@ class Engine:
     self.decode_steps = decode_steps
     # keys, values (and int8 scales) of a full batch: the cache's peak footprint
     self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
+    # None: on CPU, where a scan copies each layer's weights out of the stack every step
+    self.unroll_layers = (jax.default_backend() == "cpu" if unroll_layers is None
+                          else bool(unroll_layers))
     self.graphdef, self.state = nnx.split(model)
+
+  @property
+  def state(self):
+    """The model's (stacked) state. Assigning one (new weights, same tree) keeps the compiled
+    steps; the per-layer copy the unrolled steps read is made again at the next batch."""
+    return self._state
+
+  @state.setter
+  def state(self, state):
+    self._state, self._weights = state, None
+
+  def weights(self):
+    """What the contiguous steps read: the state, or its layers unstacked (`unroll_layers`)."""
+    if self._weights is None:
+      self._weights = (layer_weights.unstack(self._state) if self.unroll_layers
+                       else self._state)
+    return self._weights
 
   def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> list[Result]:
@@ -339,14 +364,14 @@ class Engine:
     packed = self._packed(requests, b, tokens_BT.size)
     if packed is not None:
       token_B, logprob_B, cache, seen_BV = _prefill_packed(
-          self.graphdef, self.state, *packed, rows, batch=b, max_len=self.max_seq_len,
+          self.graphdef, self.weights(), *packed, rows, batch=b, max_len=self.max_seq_len,
           kv_dtype=self.kv_dtype)
     else:
       token_B, logprob_B, cache, seen_BV = _prefill(
-          self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
+          self.graphdef, self.weights(), jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
-    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
+    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8", self.unroll_layers)
     stop_BO = jnp.asarray(stop_ids([r.stop_ids for r in requests], b, self.vocab_size))
 
     def advance(token_B, active_B, step):
@@ -362,8 +387,8 @@ class Engine:
         width = kv_cache.width_for(reach, self.max_seq_len)
         count = min(count, width - reach + 1)
       tokens_IB, logprobs_IB, i, carry["cache"], carry["seen"] = _decode(
-          self.graphdef, self.state, carry["cache"], token_B, active_B, carry["seen"], rows, step,
-          count, stop_BO, left_B, steps=self.decode_steps, width=width)
+          self.graphdef, self.weights(), carry["cache"], token_B, active_B, carry["seen"], rows,
+          step, count, stop_BO, left_B, steps=self.decode_steps, width=width)
       tokens_IB, logprobs_IB, i = jax.device_get((tokens_IB, logprobs_IB, i))
       return tokens_IB[:i], logprobs_IB[:i]
 

@@ -18,7 +18,8 @@ the (donated) cache once after it. A `width` cuts that slice to the slots a
 batch holds (the engine passes the power of two above its longest row), so an
 early step does not pay for the whole context. Returning each layer's updated slice
 instead (as one-row and int8 caches do) makes the scan copy the whole cache
-every step.
+every step. When the layers run unrolled (models/layer_weights.py), each layer
+writes its chunk into the donated cache itself, one-row caches included.
 
 `kv_dtype="int8"` stores keys and values as int8 with a float32 scale per
 (token, kv head), symmetric absmax/127 over H: quantized as they are written,
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 
 from models.attention import attention
 from models.config import ModelConfig
+from models.layer_weights import is_unrolled
 from parallel import constrain
 
 KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
@@ -135,12 +137,14 @@ def write_rows(buf_BS, new_BT, index_B):
   return jax.vmap(write)(buf_BS, new_BT, index_B)
 
 
-def write_layers(buf_LBSKH, new_LBTKH, slots_BT):
-  """buf_LBSKH with every layer's chunk at row b's slots slots_BT[b] (the scan's outputs into
-  the donated cache). The caller keeps the slots < S (see `forward`); one past it is dropped."""
+def write_layers(buf_LBSKH, new, slots_BT, layer=None):
+  """buf_LBSKH with every layer's chunk (new_LBTKH) at row b's slots slots_BT[b] (the scan's
+  outputs into the donated cache), or with `layer` that layer's chunk alone (new_BTKH). The
+  caller keeps the slots < S (see `forward`); one past it is dropped."""
   rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None], slots_BT.shape)
-  return buf_LBSKH.at[:, rows_BT, slots_BT].set(new_LBTKH.astype(buf_LBSKH.dtype),
-                                                unique_indices=True, mode="drop")
+  layers = slice(None) if layer is None else layer
+  return buf_LBSKH.at[layers, rows_BT, slots_BT].set(new.astype(buf_LBSKH.dtype),
+                                                     unique_indices=True, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,21 +224,52 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
     prefix_BS = write_rows(cache.prefix_BS, first_BT, index_B)
   # Measured on XLA:CPU: in place wins from batch 2 up (SmolLM2, batch 8: +60% tokens/s) but
   # costs a one-row step ~0.6 ms of fixed overhead, which a small model's step notices.
-  in_place = reads_in_place(cache.k_LBSKH.shape[1], cache.k_scale_LBSK is not None)
+  int8 = cache.k_scale_LBSK is not None
+  unrolled = is_unrolled(model)
+  in_place = reads_in_place(cache.k_LBSKH.shape[1], int8, unrolled)
   slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B),
                  write_rows(cache.positions_BS, positions_BT, index_B), index_B, prefix_BS,
                  cache if in_place else None, width if in_place else None)
   layers = jnp.arange(cache.k_LBSKH.shape[0]) if in_place else cache.layers
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
-  # k, v: the updated cache (k_LBSKH), or in place only the chunk's keys and values (k_LBTKH)
-  logits, (k, v, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers, slots, last_B)
-  if in_place:
+  if in_place and unrolled:  # each layer writes its chunk into the cache itself
+    writes = _LayerWrites(slots, cache.k_LBSKH, cache.v_LBSKH)
+    logits, _ = model.decode(tokens_BT, positions_BT, real_BT, layers, writes, last_B)
+    k, v, scales = writes.k_LBSKH, writes.v_LBSKH, None
+  else:
+    # k, v: the updated cache (k_LBSKH), or in place only the chunk's keys and values (k_LBTKH)
+    logits, (k, v, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers, slots,
+                                           last_B)
+  if in_place and not unrolled:
     # a real token's slot is its position
     k, v = (write_layers(cache.k_LBSKH, k, positions_BT),
             write_layers(cache.v_LBSKH, v, positions_BT))
   scales = scales or [None, None]
   return logits, constrain_cache(KVCache(k, v, slots.segment_ids_BS,
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
+
+
+class _LayerWrites:
+  """What Attention.decode calls per layer when the layers run unrolled
+  (models/layer_weights.py): writes the chunk into layer `layer` of the donated cache, then
+  attends over that layer's slots. Each write is ordered after the previous layer's read by
+  the data flow, so XLA updates the cache in place; the scan form instead hands the chunks
+  out and writes them after the last layer (a scan body cannot update a buffer it reads)."""
+
+  def __init__(self, slots: "_Slots", k_LBSKH, v_LBSKH):
+    self.slots, self.k_LBSKH, self.v_LBSKH = slots, k_LBSKH, v_LBSKH
+
+  def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+             bias_fn=None):
+    # a real token's slot is its position (see `forward`)
+    self.k_LBSKH = write_layers(self.k_LBSKH, k_BTKH, positions_BT, layer)
+    self.v_LBSKH = write_layers(self.v_LBSKH, v_BTKH, positions_BT, layer)
+    w = self.slots.width or self.k_LBSKH.shape[2]
+    k_BSKH = constrain(self.k_LBSKH[layer, :, :w], KV_AXES[1:])
+    v_BSKH = constrain(self.v_LBSKH[layer, :, :w], KV_AXES[1:])
+    out_BTNH = self.slots._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
+                                     bias_fn)
+    return out_BTNH, None
 
 
 class _Packed:
@@ -307,10 +342,11 @@ def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
   return min(-(-n // step) * step, limit)
 
 
-def reads_in_place(rows: int, int8: bool) -> bool:
+def reads_in_place(rows: int, int8: bool, unrolled: bool = False) -> bool:
   """Whether `forward` reads a cache of `rows` rows in place (module docstring), and so
-  honours its `width`."""
-  return rows > 1 and not int8
+  honours its `width`: a float cache of more than one row, or of any rows when the layers
+  run unrolled (models/layer_weights.py), where in place costs a one-row step nothing."""
+  return not int8 and (rows > 1 or unrolled)
 
 
 def width_for(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:

@@ -41,6 +41,7 @@ from infer.engine import check_request, stop_ids as engine_stop_ids  # `stop_ids
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
+from models import layer_weights
 
 __all__ = ["SpeculativeDecoder", "SpecStats", "ModelDraft", "PromptLookupDraft", "accept"]
 MAX_GAMMA = 16
@@ -95,15 +96,15 @@ def verify(model, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "seen_1V"))
-def _verify(graphdef, state, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
+def _verify(graphdef, weights, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
   """`verify` as one call: a round driven from the host (a model draft)."""
-  return verify(nnx.merge(graphdef, state), cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V,
-                rows, step)
+  return verify(layer_weights.merge(graphdef, weights), cache, last_1, drafts_Y, n_drafts, q_YV,
+                seen_1V, rows, step)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "draft", "gamma", "adaptive"),
                    donate_argnames=("cache", "seen_1V"))
-def _lookup_rounds(graphdef, state, cache, seen_1V, tokens_S, length, max_tokens, stop_O, rows,
+def _lookup_rounds(graphdef, weights, cache, seen_1V, tokens_S, length, max_tokens, stop_O, rows,
                    *, draft, gamma, adaptive):
   """A whole request's rounds with a draft that proposes on the device (prompt lookup), in one
   `lax.while_loop`: the host's loop below, without a dispatch and a transfer per round.
@@ -114,7 +115,7 @@ def _lookup_rounds(graphdef, state, cache, seen_1V, tokens_S, length, max_tokens
   to S entries: a round makes at least one token); finish 1 = a stop token, 2 = max_tokens.
   The cache and seen set come back only so that the donated inputs' buffers can serve the loop.
   """
-  model = nnx.merge(graphdef, state)
+  model = layer_weights.merge(graphdef, weights)
   t, prompt = gamma + 1, length
 
   def body(carry):
@@ -201,7 +202,8 @@ class SpeculativeDecoder:
   """
 
   def __init__(self, target, draft, gamma: int = 4, max_seq_len: int | None = None, *,
-               adaptive: bool = False, eos_id: int | None = None):
+               adaptive: bool = False, eos_id: int | None = None,
+               unroll_layers: bool | None = None):
     cfg = target.cfg
     draft_cfg = getattr(draft, "cfg", cfg)
     if cfg.arch != "decoder" or draft_cfg.arch != "decoder":
@@ -226,7 +228,10 @@ class SpeculativeDecoder:
     self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
     # Drafts past the last verified token need room too (they may be cut after the fact).
     self.cache_len = max_seq_len + self.gamma
-    self.graphdef, self.state = nnx.split(target)
+    self.graphdef, state = nnx.split(target)
+    # the target's layers unrolled as in infer.Engine (None: on CPU); the draft model scans
+    unroll = jax.default_backend() == "cpu" if unroll_layers is None else unroll_layers
+    self.weights = layer_weights.unstack(state) if unroll else state
 
   def check(self, prompt_ids, params: SamplingParams) -> None:
     """Raises ValueError naming the problem with a request."""
@@ -245,7 +250,7 @@ class SpeculativeDecoder:
       stop_ids.add(self.eos_id)
     rows = RowParams.stack([params])
     # The target's cache holds all but the last prompt token: the first round feeds that one.
-    cache, seen_1V = prefill(self.graphdef, self.state, padded_prompt(prompt_ids, self.cache_len),
+    cache, seen_1V = prefill(self.graphdef, self.weights, padded_prompt(prompt_ids, self.cache_len),
                              length=len(prompt_ids), max_len=self.cache_len)
     self.draft.start(prompt_ids, self.cache_len)
     passes0 = self.draft.passes
@@ -269,7 +274,7 @@ class SpeculativeDecoder:
     while not finish:
       drafts_Y, k, q_YV = self.draft.propose(tokens, gamma, seen_1V, rows, len(out))
       n, emitted_T, logprobs_T, cache, seen_1V = _verify(
-          self.graphdef, self.state, cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
+          self.graphdef, self.weights, cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
           q_YV, seen_1V, rows, len(out))
       n = int(n)
       self.draft.accepted(n)
@@ -297,7 +302,7 @@ class SpeculativeDecoder:
     tokens_S[:p] = prompt_ids
     stop_O = engine_stop_ids([stop_ids], 1, self.vocab_size)[0]
     *out, _, _ = _lookup_rounds(
-        self.graphdef, self.state, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
+        self.graphdef, self.weights, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
         jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,
         gamma=self.gamma, adaptive=self.adaptive)
     tokens_S, logprobs_S, end, r, k_R, n_R, finish = jax.device_get(out)

@@ -7,6 +7,7 @@ configured. `cfg.remat` picks the rematerialisation policy.
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
@@ -102,6 +103,9 @@ def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_
   `call_kwargs` (causal, bias_fn) are the same for every layer; the arrays are
   passed as layer inputs so that a pipeline can split them into microbatches.
   """
+  if isinstance(blocks, list):
+    raise TypeError("this model's layers were unstacked for decoding (models/layer_weights.py); "
+                    "a full forward runs the stacked state: nnx.merge(graphdef, state)")
   graphdef, state = nnx.split(blocks)
 
   def body(x_BTD, layer_state, *aux):
@@ -115,11 +119,21 @@ def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_
 
 def decode_stack(blocks: Block, x_BTD, positions_BT, segment_ids_BT, layers_cache, cache,
                  per_layer=None, **call_kwargs):
-  """Cached pass through a stack (inference; always a scan): (x_BTD, layers_cache).
+  """Cached pass through a stack (inference): (x_BTD, layers_cache).
 
   `per_layer`: {Block.decode keyword: pytree with a leading layer axis}, each layer
   getting its own slice (an encoder-decoder's cross-attention keys and values).
+  A scan over the stacked layers; `blocks` a list of per-layer Blocks
+  (models/layer_weights.py) runs them one after another, unrolled, and stacks their outputs.
   """
+  if isinstance(blocks, list):
+    outs = []
+    for i, block in enumerate(blocks):
+      at = lambda tree, i=i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+      x_BTD, out = block.decode(x_BTD, positions_BT, segment_ids_BT, at(layers_cache), cache,
+                                **call_kwargs, **at(per_layer or {}))
+      outs.append(out)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
   graphdef, state = nnx.split(blocks)
 
   def body(x_BTD, xs):

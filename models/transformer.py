@@ -66,7 +66,8 @@ class Transformer(Embeddings):
     this chunk's keys and values and attends over the cache. With `last_B`,
     returns logits_BV at chunk position last_B[b] only (all plain sampling
     needs); without, logits_BTV at every position (speculative verification).
-    Always a scan over layers; pipelines are for training.
+    A scan over layers, or a loop over per-layer Blocks where models/layer_weights.py
+    unstacked them; pipelines are for training.
     """
     x_BTD = self._embed(tokens_BT, positions_BT)
     x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,

@@ -1,0 +1,54 @@
+"""A decoder's weights with each layer's parameters in buffers of their own (unrolled decoding).
+
+A stack's parameters lead with the `layers` axis (`blocks.make_stack`) and `decode_stack`
+scans over them. XLA:CPU's dot cannot read a slice of a larger buffer, so that scan copies
+every layer's weights out of the stack at every decode step: 42% of the op time of a
+SmolLM2-135M batch-8 step on 2 CPU cores (docs/results.md, row 2).
+
+`unstack` splits the stack once, outside jit, into one state per layer. Inside jit, `merge`
+rebuilds the model with `blocks` a list of per-layer Blocks, which `decode_stack` runs as a
+Python loop: the same Block code, its dots reading each layer's weights where they lie. The
+stacked parameters are then only shapes: any code that reads them (a training forward)
+fails at trace time instead of silently restacking. The inference engines decide when
+to use it (`infer.Engine(unroll_layers=...)`); training keeps the scan.
+"""
+
+from typing import NamedTuple
+
+import jax
+from flax import nnx
+
+STACK = "blocks"  # the decoder stack's attribute in models/transformer.py
+
+
+class LayerWeights(NamedTuple):
+  """A model's state split for unrolled decoding (a pytree: a jit argument like any state)."""
+  rest: nnx.State                 # every parameter outside the stack
+  layers: tuple[nnx.State, ...]   # the stack's, one state per layer (no leading axis)
+
+
+def unstack(state: nnx.State) -> LayerWeights:
+  """Copies each layer's parameters out of the stack once (outside jit)."""
+  if STACK not in state:
+    raise ValueError(f"unstack: the state has no {STACK!r} stack (keys {sorted(state.keys())})")
+  rest = nnx.State({k: v for k, v in state.items() if k != STACK})
+  stack = state[STACK]
+  n = jax.tree.leaves(stack)[0].shape[0]
+  return LayerWeights(rest, tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)))
+
+
+def merge(graphdef, weights):
+  """The model from a state, or from LayerWeights with `blocks` a list of per-layer Blocks."""
+  if not isinstance(weights, LayerWeights):
+    return nnx.merge(graphdef, weights)
+  n = len(weights.layers)
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), weights.layers[0])
+  model = nnx.merge(graphdef, nnx.State({**dict(weights.rest.items()), STACK: shapes}))
+  block_def = nnx.graphdef(getattr(model, STACK))
+  setattr(model, STACK, [nnx.merge(block_def, layer) for layer in weights.layers])
+  return model
+
+
+def is_unrolled(model) -> bool:
+  """Whether `model` came from `merge` of LayerWeights (its decode runs unrolled)."""
+  return isinstance(getattr(model, STACK, None), list)
