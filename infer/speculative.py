@@ -228,10 +228,11 @@ class SpeculativeDecoder:
     self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
     # Drafts past the last verified token need room too (they may be cut after the fact).
     self.cache_len = max_seq_len + self.gamma
-    self.graphdef, state = nnx.split(target)
-    # the target's layers unrolled as in infer.Engine (None: on CPU); the draft model scans
+    self.graphdef, self.state = nnx.split(target)
+    # the target's rounds run its layers unrolled as infer.Engine's decode steps do (None: on
+    # CPU); its prefill and the draft model scan
     unroll = jax.default_backend() == "cpu" if unroll_layers is None else unroll_layers
-    self.weights = layer_weights.unstack(state) if unroll else state
+    self.weights = layer_weights.unstack(self.state) if unroll else self.state
 
   def check(self, prompt_ids, params: SamplingParams) -> None:
     """Raises ValueError naming the problem with a request."""
@@ -250,7 +251,7 @@ class SpeculativeDecoder:
       stop_ids.add(self.eos_id)
     rows = RowParams.stack([params])
     # The target's cache holds all but the last prompt token: the first round feeds that one.
-    cache, seen_1V = prefill(self.graphdef, self.weights, padded_prompt(prompt_ids, self.cache_len),
+    cache, seen_1V = prefill(self.graphdef, self.state, padded_prompt(prompt_ids, self.cache_len),
                              length=len(prompt_ids), max_len=self.cache_len)
     self.draft.start(prompt_ids, self.cache_len)
     passes0 = self.draft.passes

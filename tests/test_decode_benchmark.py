@@ -97,3 +97,7 @@ def test_decode_split_quick_matmuls_emit_json():
   for case in result["steps"].values():  # the benchmark raises if the two engines' tokens differ
     assert case["decode_steps"] == {"one_per_call": 1, "default": 16} and case["same_tokens"]
     assert case["generate_ms"]["default"] > 0 and case["paired_ratio_median"] > 0
+  assert set(result["unroll"]) == {"small_ref_b1", "small_ref_b8"}
+  for case in result["unroll"].values():  # raises if the tokens differ
+    assert case["unroll_layers"] == {"scan": False, "unrolled": True} and case["same_tokens"]
+    assert case["max_logprob_diff"] < 1e-5 and case["paired_ratio_median"] > 0
