@@ -221,7 +221,7 @@ def steps(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
   """Row 2's generate() with one decode step per jitted call against the Engine's default."""
   return _engines_ab("steps", lambda make: {"one_per_call": make(decode_steps=1),
                                             "default": make()},
-                     "default", "one_per_call", repeats, new_tokens, names)
+                     "default", "one_per_call", repeats, new_tokens, names, logprobs=False)
 
 
 def unroll(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
@@ -229,12 +229,12 @@ def unroll(repeats, new_tokens, names=("small_ref", "smollm2_135m")):
   per-layer weight buffers (models/layer_weights.py; the Engine's default on CPU)."""
   return _engines_ab("unroll", lambda make: {"scan": make(unroll_layers=False),
                                              "unrolled": make(unroll_layers=True)},
-                     "unrolled", "scan", repeats, new_tokens, names)
+                     "unrolled", "scan", repeats, new_tokens, names, logprobs=True)
 
 
-def _engines_ab(part, engines_of, new, old, repeats, new_tokens, names):
-  """Two Engines on row 2's prompts (batch 1 and 8): the same tokens (log-probabilities
-  compared too), then `_paired` rounds."""
+def _engines_ab(part, engines_of, new, old, repeats, new_tokens, names, logprobs):
+  """Two Engines on row 2's prompts (batch 1 and 8): the same tokens (with `logprobs`,
+  log-probabilities compared too), then `_paired` rounds."""
   from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
   from infer import Engine, SamplingParams
   out = {}
@@ -245,14 +245,14 @@ def _engines_ab(part, engines_of, new, old, repeats, new_tokens, names):
     model, tok, _, prompts, _ = _models(name, torch_side=False)
     engines = engines_of(lambda **kw: Engine(model, tok, max_seq_len=ENGINE_MAX_SEQ_LEN,
                                              max_batch=8, **kw))
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=logprobs)
     for batch in (1, 8):
       rows = prompts[:batch]
       results = {k: e.generate(rows, params) for k, e in engines.items()}
       if [r.token_ids for r in results[new]] != [r.token_ids for r in results[old]]:
         raise RuntimeError(f"{part} {name} b{batch}: the two engines' tokens differ")
-      diff = max(abs(a - b) for x, y in zip(results[new], results[old])
-                 for a, b in zip(x.logprobs, y.logprobs))
+      diff = max((abs(a - b) for x, y in zip(results[new], results[old])
+                  for a, b in zip(x.logprobs or [], y.logprobs or [])), default=None)
       ms, ratio = _paired(engines, lambda e: e.generate(rows, params), repeats, new, old)
       out[f"{name}_b{batch}"] = {
           "decode_steps": {k: e.decode_steps for k, e in engines.items()},
@@ -275,7 +275,7 @@ def main(argv=None):
                            "steps and unroll on the small config; 1 round each")
   args = parser.parse_args(argv)
   if args.quick and args.parts is not None:
-    parser.error("--quick picks its own parts (matmuls, tiles, steps); drop --parts")
+    parser.error("--quick picks its own parts (matmuls, tiles, steps, unroll); drop --parts")
   if args.quick:
     args.parts, args.repeats = "matmuls,tiles,steps,unroll", 1
   known = {"matmuls", "split", "tiles", "steps", "unroll"}

@@ -31,7 +31,6 @@ from flax import nnx
 
 from infer import kv_cache
 from infer.sampling import filtered_logits, greedy_tokens, mark_seen
-from models import layer_weights
 
 DRAFT_STREAM, ACCEPT_STREAM = 1, 2  # independent random streams within one round
 
@@ -59,10 +58,9 @@ def sampling_probs(logits_BV, seen_BV, rows):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
-def prefill(graphdef, weights, prompt_1T, *, length, max_len):
-  """(A cache of max_len slots holding prompt_1T[:, :length - 1], the prompt's seen set).
-  `weights`: a state, or models.layer_weights.LayerWeights (the layers run unrolled)."""
-  model = layer_weights.merge(graphdef, weights)
+def prefill(graphdef, state, prompt_1T, *, length, max_len):
+  """(A cache of max_len slots holding prompt_1T[:, :length - 1], the prompt's seen set)."""
+  model = nnx.merge(graphdef, state)
   slots_1T = jnp.arange(prompt_1T.shape[1])[None]
   _, cache = kv_cache.forward(model, prompt_1T, (slots_1T < length - 1).astype(jnp.int32),
                               kv_cache.init(model.cfg, 1, max_len))

@@ -24,10 +24,11 @@ dispatch and the device-to-host transfer are paid once per call, not per token
 runs one step per call. Stop strings and the text are the host's: a row stopped
 by a stop string runs on to the end of its call, the extra tokens ignored.
 
-On CPU the decode steps run the layers unrolled over per-layer weight buffers
-(`unroll_layers`, models/layer_weights.py), each writing its keys and values into the cache
-in place. Prefill keeps the layer scan: it is compute-bound, and compiles once per prompt
-bucket, where unrolling would triple the compile time of a deep model.
+On CPU, with a float cache, the decode steps run the layers unrolled over per-layer weight
+buffers (`unroll_layers`, models/layer_weights.py; a second copy of the layers' weights),
+each writing its keys and values into the cache in place. Prefill keeps the layer scan: it
+is compute-bound, and compiles once per prompt bucket, where unrolling would triple the
+compile time of a deep model.
 """
 
 import dataclasses
@@ -126,8 +127,8 @@ class _Request:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
-def _prefill(graphdef, weights, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
-  model = layer_weights.merge(graphdef, weights)
+def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
+  model = nnx.merge(graphdef, state)
   cache = kv_cache.init(model.cfg, tokens_BT.shape[0], max_len, kv_dtype)
   logits_BV, cache = kv_cache.forward(model, tokens_BT, segment_ids_BT, cache)
   seen_BV = mark_seen(jnp.zeros(logits_BV.shape, bool), tokens_BT, segment_ids_BT > 0)
@@ -136,9 +137,9 @@ def _prefill(graphdef, weights, tokens_BT, segment_ids_BT, rows, *, max_len, kv_
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "batch", "max_len", "kv_dtype"))
-def _prefill_packed(graphdef, weights, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B, rows,
+def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B, rows,
                     *, batch, max_len, kv_dtype=None):
-  model = layer_weights.merge(graphdef, weights)
+  model = nnx.merge(graphdef, state)
   cache = kv_cache.init(model.cfg, batch, max_len, kv_dtype)
   logits_BV, cache = kv_cache.prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P,
                                              last_B, cache)
@@ -251,9 +252,10 @@ class Engine:
     self.decode_steps = decode_steps
     # keys, values (and int8 scales) of a full batch: the cache's peak footprint
     self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
-    # None: on CPU, where a scan copies each layer's weights out of the stack every step
-    self.unroll_layers = (jax.default_backend() == "cpu" if unroll_layers is None
-                          else bool(unroll_layers))
+    # None: on CPU, where a scan copies each layer's weights out of the stack every step;
+    # measured with a float cache only (an int8 cache's unrolled steps restack its slices)
+    self.unroll_layers = (jax.default_backend() == "cpu" and kv_dtype is None
+                          if unroll_layers is None else bool(unroll_layers))
     self.graphdef, self.state = nnx.split(model)
 
   @property
@@ -373,9 +375,9 @@ class Engine:
           self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
-    # Not one row: its attention over all S slots costs little, while each width is one more
-    # compilation of the decode loop (several seconds for SmolLM2's 30 unrolled layers).
-    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8")
+    # Not one row, even unrolled (read in place): its attention over all S slots costs little,
+    # while each width is one more compilation of the decode loop (seconds, unrolled).
+    narrow = b > 1 and self.kv_dtype != "int8"
     stop_BO = jnp.asarray(stop_ids([r.stop_ids for r in requests], b, self.vocab_size))
 
     def advance(token_B, active_B, step):

@@ -19,7 +19,8 @@ batch holds (the engine passes the power of two above its longest row), so an
 early step does not pay for the whole context. Returning each layer's updated slice
 instead (as one-row and int8 caches do) makes the scan copy the whole cache
 every step. When the layers run unrolled (models/layer_weights.py), each layer
-writes its chunk into the donated cache itself, one-row caches included.
+writes its chunk into a float cache itself, one-row caches included (an int8
+cache hands each layer's updated slice out, as under the scan).
 
 `kv_dtype="int8"` stores keys and values as int8 with a float32 scale per
 (token, kv head), symmetric absmax/127 over H: quantized as they are written,
@@ -137,13 +138,13 @@ def write_rows(buf_BS, new_BT, index_B):
   return jax.vmap(write)(buf_BS, new_BT, index_B)
 
 
-def write_layers(buf_LBSKH, new, slots_BT, layer=None):
-  """buf_LBSKH with every layer's chunk (new_LBTKH) at row b's slots slots_BT[b] (the scan's
-  outputs into the donated cache), or with `layer` that layer's chunk alone (new_BTKH). The
-  caller keeps the slots < S (see `forward`); one past it is dropped."""
+def write_layers(buf_LBSKH, new_LBTKH, slots_BT, layer=None):
+  """buf_LBSKH with every layer's chunk at row b's slots slots_BT[b] (the scan's outputs into
+  the donated cache), or with `layer` that layer's chunk alone (then new_LBTKH is new_BTKH).
+  The caller keeps the slots < S (see `forward`); one past it is dropped."""
   rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None], slots_BT.shape)
   layers = slice(None) if layer is None else layer
-  return buf_LBSKH.at[layers, rows_BT, slots_BT].set(new.astype(buf_LBSKH.dtype),
+  return buf_LBSKH.at[layers, rows_BT, slots_BT].set(new_LBTKH.astype(buf_LBSKH.dtype),
                                                      unique_indices=True, mode="drop")
 
 
@@ -210,7 +211,8 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   finished request) leaves its cache as it was, bar an empty slot. The caller
   keeps lengths + T <= S, and with `width` (a static int) lengths + T <= width: a cache read
   in place then attends over slots [0, width) only, so a step's attention costs what the
-  batch holds, not what the cache could (a one-row or int8 cache ignores it).
+  batch holds, not what the cache could (an int8 cache ignores it, and so does a one-row cache
+  unless the layers run unrolled).
   """
   t = tokens_BT.shape[1]
   real_BT = (segment_ids_BT > 0).astype(jnp.int32)
@@ -345,7 +347,7 @@ def bucket(n: int, limit: int, minimum: int = MIN_BUCKET) -> int:
 def reads_in_place(rows: int, int8: bool, unrolled: bool = False) -> bool:
   """Whether `forward` reads a cache of `rows` rows in place (module docstring), and so
   honours its `width`: a float cache of more than one row, or of any rows when the layers
-  run unrolled (models/layer_weights.py), where in place costs a one-row step nothing."""
+  run unrolled (models/layer_weights.py), whose layers each write into the cache itself."""
   return not int8 and (rows > 1 or unrolled)
 
 

@@ -116,6 +116,7 @@ class Seq2SeqEngine(Engine):
     self.max_seq_len, self.max_source_len, self.max_batch = max_seq_len, max_source_len, max_batch
     self.kv_dtype = kv_dtype
     self.graphdef, self.state = nnx.split(model)
+    self.unroll_layers = False  # its steps scan (infer/engine.py unrolls decoders only)
 
   def _request(self, source, params: SamplingParams) -> _Request:
     if isinstance(source, str):

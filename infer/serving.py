@@ -68,7 +68,8 @@ class PagedEngine(Engine):
                block_size: int = 16, num_blocks: int | None = None, token_budget: int = 512,
                prefill_chunk: int = 256, prefix_caching: bool = True,
                kv_dtype: str | None = None, ragged_decode: bool | None = None):
-    super().__init__(model, tokenizer, max_seq_len, max_batch, kv_dtype=kv_dtype)
+    super().__init__(model, tokenizer, max_seq_len, max_batch, kv_dtype=kv_dtype,
+                     unroll_layers=False)  # its steps scan the stacked state (not measured)
     if model.cfg.position == "relative":
       raise ValueError("PagedEngine has no relative position bias (T5 buckets); serve this "
                        "model with infer.Engine")

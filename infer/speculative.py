@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-from infer.engine import check_request, stop_ids as engine_stop_ids  # `stop_ids`: a local
+from infer.engine import Engine, check_request, stop_ids as engine_stop_ids  # `stop_ids`: a local
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
@@ -228,11 +228,14 @@ class SpeculativeDecoder:
     self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
     # Drafts past the last verified token need room too (they may be cut after the fact).
     self.cache_len = max_seq_len + self.gamma
-    self.graphdef, self.state = nnx.split(target)
     # the target's rounds run its layers unrolled as infer.Engine's decode steps do (None: on
     # CPU); its prefill and the draft model scan
-    unroll = jax.default_backend() == "cpu" if unroll_layers is None else unroll_layers
-    self.weights = layer_weights.unstack(self.state) if unroll else self.state
+    self.unroll_layers = (jax.default_backend() == "cpu" if unroll_layers is None
+                          else bool(unroll_layers))
+    self.graphdef, self.state = nnx.split(target)
+
+  state = Engine.state  # assigning new weights unstacks them again at the next request
+  weights = Engine.weights
 
   def check(self, prompt_ids, params: SamplingParams) -> None:
     """Raises ValueError naming the problem with a request."""
@@ -275,7 +278,7 @@ class SpeculativeDecoder:
     while not finish:
       drafts_Y, k, q_YV = self.draft.propose(tokens, gamma, seen_1V, rows, len(out))
       n, emitted_T, logprobs_T, cache, seen_1V = _verify(
-          self.graphdef, self.weights, cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
+          self.graphdef, self.weights(), cache, jnp.asarray(tokens[-1:], jnp.int32), drafts_Y, k,
           q_YV, seen_1V, rows, len(out))
       n = int(n)
       self.draft.accepted(n)
@@ -303,7 +306,7 @@ class SpeculativeDecoder:
     tokens_S[:p] = prompt_ids
     stop_O = engine_stop_ids([stop_ids], 1, self.vocab_size)[0]
     *out, _, _ = _lookup_rounds(
-        self.graphdef, self.weights, cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
+        self.graphdef, self.weights(), cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
         jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,
         gamma=self.gamma, adaptive=self.adaptive)
     tokens_S, logprobs_S, end, r, k_R, n_R, finish = jax.device_get(out)

@@ -8,9 +8,9 @@ SmolLM2-135M batch-8 step on 2 CPU cores (docs/results.md, row 2).
 `unstack` splits the stack once, outside jit, into one state per layer. Inside jit, `merge`
 rebuilds the model with `blocks` a list of per-layer Blocks, which `decode_stack` runs as a
 Python loop: the same Block code, its dots reading each layer's weights where they lie. The
-stacked parameters are then only shapes: any code that reads them (a training forward)
-fails at trace time instead of silently restacking. The inference engines decide when
-to use it (`infer.Engine(unroll_layers=...)`); training keeps the scan.
+merged model holds no stacked parameters, so a training forward on it raises (`run_stack`)
+instead of silently restacking them. The inference engines decide when to use it
+(`infer.Engine(unroll_layers=...)`: its decode steps); training keeps the scan.
 """
 
 from typing import NamedTuple

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from infer import Engine, SamplingParams, kv_cache
-from infer.speculative import PromptLookupDraft, SpeculativeDecoder
+from infer.speculative import ModelDraft, PromptLookupDraft, SpeculativeDecoder
 from models import ModelConfig, Transformer, layer_weights
 from tests.test_kv_cache import CFG, MOE, CharTokenizer
 
@@ -24,6 +24,7 @@ def model(request):
 
 
 def _same(a, b):
+  assert len(a) == len(b)
   for x, y in zip(a, b):
     assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
     np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=TOL)
@@ -40,6 +41,7 @@ def test_engine_unrolled_equals_scanned(model, max_batch, kv_dtype):
   for unroll in (False, True):
     engine = Engine(model, CharTokenizer(), max_batch=max_batch, kv_dtype=kv_dtype,
                     unroll_layers=unroll)
+    assert isinstance(engine.weights(), layer_weights.LayerWeights) == unroll
     out[unroll] = engine.generate(PROMPTS, requests)
   _same(out[False], out[True])
 
@@ -72,14 +74,19 @@ def test_forward_writes_the_cache_as_the_scan_does(model):
     np.testing.assert_array_equal(getattr(cache_a, field), getattr(cache_b, field))
 
 
-def test_speculative_unrolled_equals_scanned():
+@pytest.mark.parametrize("kind", ["lookup", "model"])
+def test_speculative_unrolled_equals_scanned(kind):
+  """Prompt lookup's rounds on the device, and a draft model's rounds driven from the host."""
   model = Transformer(ModelConfig(**CFG), nnx.Rngs(0))
-  draft = PromptLookupDraft(max_ngram=2, min_ngram=1)
+  small = Transformer(ModelConfig(**dict(CFG, num_layers=1)), nnx.Rngs(1))
   prompt = [7, 7, 8, 7, 7, 8, 7, 3, 7, 7]
+  params = SamplingParams(max_tokens=16, logprobs=True, temperature=1.0, seed=5)
   out = {}
   for unroll in (False, True):
+    draft = PromptLookupDraft(max_ngram=2, min_ngram=1) if kind == "lookup" else ModelDraft(small)
     decoder = SpeculativeDecoder(model, draft, gamma=3, unroll_layers=unroll)
-    out[unroll] = decoder.generate(prompt, SamplingParams(max_tokens=16, logprobs=True))
+    assert isinstance(decoder.weights(), layer_weights.LayerWeights) == unroll
+    out[unroll] = decoder.generate(prompt, params)
   (ids_a, stats_a), (ids_b, stats_b) = out[False], out[True]
   assert ids_a == ids_b and stats_a.gammas == stats_b.gammas
   np.testing.assert_allclose(stats_a.logprobs, stats_b.logprobs, rtol=0, atol=TOL)
@@ -91,10 +98,18 @@ def test_new_state_is_unstacked_again():
   old, new = Transformer(cfg, nnx.Rngs(0)), Transformer(cfg, nnx.Rngs(1))
   params = SamplingParams(max_tokens=8, logprobs=True)
   engine = Engine(old, CharTokenizer(), max_batch=2, unroll_layers=True)
-  engine.generate(PROMPTS[:2], params)
+  before = engine.generate(PROMPTS[:2], params)
   engine.state = nnx.split(new)[1]
   fresh = Engine(new, CharTokenizer(), max_batch=2, unroll_layers=True)
-  _same(engine.generate(PROMPTS[:2], params), fresh.generate(PROMPTS[:2], params))
+  after = engine.generate(PROMPTS[:2], params)
+  assert [r.token_ids for r in after] != [r.token_ids for r in before]  # the new weights ran
+  _same(after, fresh.generate(PROMPTS[:2], params))
+  decoder = SpeculativeDecoder(old, PromptLookupDraft(), gamma=2, unroll_layers=True)
+  stale = decoder.generate(PROMPTS[1], params)[0]
+  decoder.state = nnx.split(new)[1]
+  fresh_decoder = SpeculativeDecoder(new, PromptLookupDraft(), gamma=2, unroll_layers=True)
+  assert decoder.generate(PROMPTS[1], params)[0] == fresh_decoder.generate(PROMPTS[1], params)[0]
+  assert fresh_decoder.generate(PROMPTS[1], params)[0] != stale
 
 
 def test_misuse_is_named():
