@@ -13,6 +13,11 @@ frequencies: a falling loss on both sides is the sanity check.
 (its CPU bfloat16 autocast is a different code path), so the ratio is only
 like-for-like at float32, which the JSON records as `like_for_like`.
 
+Both sides run in one process and take turns in `--rounds` blocks of timed steps
+(ABBA order), so the ratio compares the same stretches of wall time: this host's
+speed drifts by up to 2x through the day, and drifts PyTorch more than meshlm.
+The JSON gives the ratio over all rounds and per round.
+
 Run it on otherwise idle cores. When other processes share them, PyTorch's
 OpenMP threads slow down far more than XLA's and the ratio is inflated (1.4-1.9x
 measured on a busy 2-core machine against 0.46x on the same machine idle); the
@@ -22,6 +27,7 @@ One JSON document goes to stdout; progress text goes to stderr.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -62,13 +68,16 @@ def parse_args(argv=None):
                  help="meshlm projections (models/matmul.py); auto is flat on one CPU device")
   p.add_argument("--xent", choices=("logits", "chunked"), default="logits",
                  help="meshlm loss (models/xent.py): chunked fuses it with the unembedding")
+  p.add_argument("--rounds", type=int, default=4,
+                 help="the timed steps are split into this many blocks, meshlm and torch "
+                      "taking turns, so that drift in the host's speed hits both sides")
   p.add_argument("--skip-torch", action="store_true")
   p.add_argument("--peak-flops", type=float, default=0.0,
                  help="MFU peak in FLOP/s; 0 measures a matmul (costs a few seconds on CPU)")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
-  if args.steps < 1 or args.warmup < 0:
-    p.error("--steps must be >= 1 and --warmup >= 0")
+  if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+    p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
   return args
 
 
@@ -104,6 +113,34 @@ def time_steps(run_step, tokens, warmup):
   return times, cpu, losses
 
 
+def time_rounds(sides, tokens, warmup, rounds):
+  """Runs every batch on every side; returns {name: (wall s, process CPU s, loss) per timed step}.
+
+  Each side's `run_step` must return the loss as a Python float, which also synchronises.
+  The timed steps are split into `rounds` blocks and the sides take turns block by block
+  (ABBA order), so a drift in the host's speed lands on both sides alike instead of on
+  whichever side happened to run later.
+  """
+  out = {name: ([], [], []) for name in sides}
+  for run_step in sides.values():
+    time_steps(run_step, tokens[:warmup], warmup)
+  timed = tokens[warmup:]
+  bounds = np.linspace(0, len(timed), rounds + 1).astype(int)
+  names = list(sides)
+  for r in range(rounds):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      for acc, new in zip(out[name], time_steps(sides[name], timed[bounds[r]:bounds[r + 1]], 0)):
+        acc.extend(new)
+  return out
+
+
+def round_ratios(meshlm_times, torch_times, steps, rounds):
+  """meshlm tokens/s over torch tokens/s within each round (the same stretch of wall time)."""
+  bounds = np.linspace(0, steps, rounds + 1).astype(int)
+  return [sum(torch_times[a:b]) / sum(meshlm_times[a:b])
+          for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 def summarise(times, cpu, losses, tokens_per_step):
   # CPU seconds (all threads) per step: meshlm's barely move when other processes share the
   # cores, so they compare meshlm runs on a busy machine; torch's grow there (OpenMP spins).
@@ -115,7 +152,8 @@ def summarise(times, cpu, losses, tokens_per_step):
           "loss_finite": bool(np.all(np.isfinite(losses)))}
 
 
-def bench_meshlm(args, tokens, hp):
+def meshlm_side(args, tokens, hp, stack):
+  """(run_step, report): the jitted meshlm step, and the JSON fields once timed."""
   import jax
 
   import parallel
@@ -135,21 +173,25 @@ def bench_meshlm(args, tokens, hp):
   def run_step(toks):
     return float(jax.block_until_ready(step(toks)["loss"]))
 
-  with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
-    scratch = step_scratch_bytes(step_fn, state, batch_sharding, args)
-    times, cpu, losses = time_steps(run_step, tokens, args.warmup)
-  out = summarise(times, cpu, losses, args.batch * args.seq)
-  out["step_scratch_bytes"] = scratch
-  peak, source = flops_lib.peak_flops_per_device(cfg.jnp_dtype, args.peak_flops)
-  fpt = flops_lib.train_flops_per_token(cfg, args.seq)
-  out.update(train_flops_per_token=fpt, peak_flops=peak, peak_source=source,
-             mfu=out["tokens_per_s"] * fpt / (peak * jax.device_count()),
-             num_params=cfg.num_params(), dtype=args.dtype, scan_layers=cfg.scan_layers,
-             matmul="flat" if matmul_lib.use_flat(cfg.matmul) else "einsum",
-             xent=cfg.xent,
-             devices=jax.device_count(),
-             device_kind=jax.devices()[0].device_kind)
-  return out, fpt, peak
+  stack.enter_context(parallel.axis_rules(layout.rules))
+  stack.enter_context(jax.set_mesh(mesh))
+  scratch = step_scratch_bytes(step_fn, state, batch_sharding, args)
+
+  def report(times, cpu, losses):
+    out = summarise(times, cpu, losses, args.batch * args.seq)
+    out["step_scratch_bytes"] = scratch
+    peak, source = flops_lib.peak_flops_per_device(cfg.jnp_dtype, args.peak_flops)
+    fpt = flops_lib.train_flops_per_token(cfg, args.seq)
+    out.update(train_flops_per_token=fpt, peak_flops=peak, peak_source=source,
+               mfu=out["tokens_per_s"] * fpt / (peak * jax.device_count()),
+               num_params=cfg.num_params(), dtype=args.dtype, scan_layers=cfg.scan_layers,
+               matmul="flat" if matmul_lib.use_flat(cfg.matmul) else "einsum",
+               xent=cfg.xent,
+               devices=jax.device_count(),
+               device_kind=jax.devices()[0].device_kind)
+    return out, fpt, peak
+
+  return run_step, report
 
 
 def step_scratch_bytes(step_fn, state, batch_sharding, args):
@@ -163,13 +205,14 @@ def step_scratch_bytes(step_fn, state, batch_sharding, args):
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
-def bench_torch(args, tokens, hp, threads):
+def torch_side(args, hp, threads):
+  """(run_step, report) for transformers, or (None, the reason) where it is not installed."""
   try:
     import torch
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
   except Exception as e:  # noqa: BLE001 -- any import failure means "skip", with its reason
-    return {"skipped": True, "reason": f"{type(e).__name__}: {e}"}
+    return None, f"{type(e).__name__}: {e}"
   torch.manual_seed(args.seed)
   torch.set_num_threads(threads)
   hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model,
@@ -198,13 +241,15 @@ def bench_torch(args, tokens, hp, threads):
     opt.step()
     return float(loss.detach())
 
-  times, cpu, losses = time_steps(run_step, tokens, args.warmup)
-  out = summarise(times, cpu, losses, args.batch * args.seq)
-  out.update(skipped=False, threads=torch.get_num_threads(), dtype="float32",
-             attn_implementation=model.config._attn_implementation,
-             num_params=sum(p.numel() for p in model.parameters()),
-             torch_version=torch.__version__, transformers_version=transformers.__version__)
-  return out
+  def report(times, cpu, losses):
+    out = summarise(times, cpu, losses, args.batch * args.seq)
+    out.update(skipped=False, threads=torch.get_num_threads(), dtype="float32",
+               attn_implementation=model.config._attn_implementation,
+               num_params=sum(p.numel() for p in model.parameters()),
+               torch_version=torch.__version__, transformers_version=transformers.__version__)
+    return out
+
+  return run_step, report
 
 
 def main(argv=None):
@@ -219,13 +264,23 @@ def main(argv=None):
   tokens = make_tokens(args)
   log(f"meshlm: {args.steps} timed steps after {args.warmup} warmup, batch {args.batch} x "
       f"seq {args.seq}, {args.dtype}")
-  meshlm, fpt, peak = bench_meshlm(args, tokens, hp)
+  with contextlib.ExitStack() as stack:
+    sides, reports = {}, {}
+    sides["meshlm"], reports["meshlm"] = meshlm_side(args, tokens, hp, stack)
+    skipped = "--skip-torch" if args.skip_torch else None
+    if not skipped:
+      log(f"transformers: same steps, torch threads {threads}")
+      run_step, report = torch_side(args, hp, threads)
+      if run_step is None:
+        skipped = report
+      else:
+        sides["transformers"], reports["transformers"] = run_step, report
+    rounds = min(args.rounds, args.steps) if len(sides) > 1 else 1
+    timed = time_rounds(sides, tokens, args.warmup, rounds)
+    meshlm, fpt, peak = reports["meshlm"](*timed["meshlm"])
   log(f"meshlm: {meshlm['tokens_per_s']:.0f} tokens/s, MFU {meshlm['mfu']:.3f}")
-  if args.skip_torch:
-    torch_res = {"skipped": True, "reason": "--skip-torch"}
-  else:
-    log(f"transformers: same steps, torch threads {threads}")
-    torch_res = bench_torch(args, tokens, hp, threads)
+  torch_res = ({"skipped": True, "reason": skipped} if skipped
+               else reports["transformers"](*timed["transformers"]))
   result = {
       "benchmark": "train_throughput",
       "config": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads,
@@ -233,7 +288,7 @@ def main(argv=None):
                  "seq": args.seq, "batch": args.batch, "tie_embeddings": False,
                  "rope_theta": 10000.0, "optimizer": dict(hp, name="adamw", schedule="constant"),
                  "data": "zipf tokens, numpy seed %d" % args.seed},
-      "steps": args.steps, "warmup": args.warmup,
+      "steps": args.steps, "warmup": args.warmup, "rounds": rounds,
       "env": {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
               "device_kind": jax.devices()[0].device_kind, "cpu_count": threads,
               "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -247,13 +302,16 @@ def main(argv=None):
     # The median-step ratio shrugs off a few stalled steps; none of the three survives
     # sustained load from other processes (see the module docstring).
     result.update(ratio=ratio, target_met=ratio >= TARGET_RATIO,
+                  ratio_per_round=round_ratios(timed["meshlm"][0], timed["transformers"][0],
+                                               args.steps, rounds),
                   ratio_median_step=torch_res["step_time_median_s"] / meshlm["step_time_median_s"],
                   ratio_cpu_time=torch_res["step_cpu_median_s"] / meshlm["step_cpu_median_s"],
                   like_for_like=args.dtype == "float32")
     log(f"transformers: {torch_res['tokens_per_s']:.0f} tokens/s; meshlm/torch = {ratio:.2f}x "
-        f"(target {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'not met'})")
+        f"(target {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'not met'}); per round "
+        + ", ".join(f"{r:.2f}x" for r in result["ratio_per_round"]))
   else:
-    result.update(ratio=None, target_met=None, ratio_median_step=None, ratio_cpu_time=None,
+    result.update(ratio=None, target_met=None, ratio_per_round=None, ratio_median_step=None, ratio_cpu_time=None,
                   like_for_like=None)
   print(json.dumps(result) if args.json else json.dumps(result, indent=2))
   return result

@@ -9,6 +9,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "train_throughput.py")
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "4", "--kv-heads", "2", "--mlp", "64",
         "--vocab", "128", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+        "--rounds", "3",  # more rounds than steps: one step per round
         "--peak-flops", "1e11"]  # a fixed peak skips the CPU matmul measurement
 
 
@@ -34,6 +35,8 @@ def test_train_throughput_emits_json():
   else:
     assert hf["tokens_per_s"] > 0 and hf["loss_finite"] and hf["threads"] >= 1
     assert result["ratio"] > 0 and isinstance(result["target_met"], bool)
+    # The two timed steps split into two rounds, meshlm and torch taking turns.
+    assert result["rounds"] == 2 and len(result["ratio_per_round"]) == 2
     assert hf["num_params"] == mesh["num_params"]  # the two models have the same shape
 
 
