@@ -13,10 +13,11 @@ frequencies: a falling loss on both sides is the sanity check.
 (its CPU bfloat16 autocast is a different code path), so the ratio is only
 like-for-like at float32, which the JSON records as `like_for_like`.
 
-Both sides run in one process and take turns in `--rounds` blocks of timed steps
-(ABBA order), so the ratio compares the same stretches of wall time: this host's
-speed drifts by up to 2x through the day, and drifts PyTorch more than meshlm.
-The JSON gives the ratio over all rounds and per round.
+Each side runs in a process of its own (so neither framework's freed memory turns
+into the other's page faults), and the two take turns in `--rounds` blocks of timed
+steps (ABBA order), so the ratio compares the same stretches of wall time: this
+host's speed drifts by up to 2x through the day, and drifts PyTorch more than
+meshlm. The JSON gives the ratio over all rounds and per round.
 
 Run it on otherwise idle cores. When other processes share them, PyTorch's
 OpenMP threads slow down far more than XLA's and the ratio is inflated (1.4-1.9x
@@ -28,12 +29,15 @@ One JSON document goes to stdout; progress text goes to stderr.
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
 import time
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -45,6 +49,7 @@ from benchmarks.common import (constant_lr_step, cpu_count, log,  # noqa: E402
                                token_step_runner)
 
 TARGET_RATIO = 1.3  # meshlm tokens/s over transformers tokens/s
+MESHLM_TUNABLES = "glibc.malloc.hugetlb=1"  # README, "Speed on CPU"
 
 
 def parse_args(argv=None):
@@ -71,6 +76,9 @@ def parse_args(argv=None):
   p.add_argument("--rounds", type=int, default=4,
                  help="the timed steps are split into this many blocks, meshlm and torch "
                       "taking turns, so that drift in the host's speed hits both sides")
+  p.add_argument("--same-env", action="store_true",
+                 help="both sides inherit this environment, instead of meshlm's process "
+                      f"getting GLIBC_TUNABLES={MESHLM_TUNABLES} and torch's glibc's default")
   p.add_argument("--skip-torch", action="store_true")
   p.add_argument("--peak-flops", type=float, default=0.0,
                  help="MFU peak in FLOP/s; 0 measures a matmul (costs a few seconds on CPU)")
@@ -116,22 +124,118 @@ def time_steps(run_step, tokens, warmup):
 def time_rounds(sides, tokens, warmup, rounds):
   """Runs every batch on every side; returns {name: (wall s, process CPU s, loss) per timed step}.
 
-  Each side's `run_step` must return the loss as a Python float, which also synchronises.
-  The timed steps are split into `rounds` blocks and the sides take turns block by block
-  (ABBA order), so a drift in the host's speed lands on both sides alike instead of on
-  whichever side happened to run later.
+  `sides` maps a name to run(batches, warmup) -> time_steps' lists. The timed steps are
+  split into `rounds` blocks and the sides take turns block by block (ABBA order), so a
+  drift in the host's speed lands on both sides alike instead of on whichever side
+  happened to run later. Each block first repeats its first batch untimed: on this host a
+  process's first step after a pause of even half a second, or after other work, ran
+  1.6-2.7 s instead of 0.6 (meshlm; torch less), which a training loop never pays.
   """
   out = {name: ([], [], []) for name in sides}
-  for run_step in sides.values():
-    time_steps(run_step, tokens[:warmup], warmup)
+  for run in sides.values():
+    run(tokens[:warmup], warmup)
   timed = tokens[warmup:]
   bounds = np.linspace(0, len(timed), rounds + 1).astype(int)
   names = list(sides)
   for r in range(rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
-      for acc, new in zip(out[name], time_steps(sides[name], timed[bounds[r]:bounds[r + 1]], 0)):
+      block = timed[bounds[r]:bounds[r + 1]]
+      for acc, new in zip(out[name], sides[name](np.concatenate([block[:1], block]), 1)):
         acc.extend(new)
   return out
+
+
+def _serve_side(conn, name, args, hp, threads):
+  """A side's process: builds it, then runs the batches and reports it is sent."""
+  try:
+    with contextlib.ExitStack() as stack:
+      if name == "meshlm":
+        run_step, report = meshlm_side(args, hp, stack)
+      else:
+        run_step, report = torch_side(args, hp, threads)
+      conn.send(("ok", None if run_step else report))  # report: why torch is skipped
+      if run_step is None:
+        return
+      while (msg := conn.recv()) is not None:
+        kind, payload = msg
+        conn.send(("ok", time_steps(run_step, *payload) if kind == "steps"
+                   else report(*payload)))
+  except Exception:  # noqa: BLE001 -- the parent raises it, with this traceback
+    conn.send(("error", traceback.format_exc()))
+
+
+def _setenv(key, value):
+  if value is None:
+    os.environ.pop(key, None)
+  else:
+    os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _environ(changes):
+  """os.environ with `changes` applied (None removes a variable), restored afterwards."""
+  saved = {k: os.environ.get(k) for k in changes}
+  try:
+    for k, v in changes.items():
+      _setenv(k, v)
+    yield
+  finally:
+    for k, v in saved.items():
+      _setenv(k, v)
+
+
+def side_environments(same_env: bool) -> dict:
+  """Each side's allocator: meshlm's process gets the tunable README recommends for it, and
+  torch's glibc's default, which trained faster (mean step 0.61 s against 0.72-0.76 s with
+  the tunable: its huge-page faults stalled one step in four). --same-env: both inherit."""
+  if same_env:
+    return {"meshlm": {}, "transformers": {}}
+  return {"meshlm": {"GLIBC_TUNABLES": MESHLM_TUNABLES}, "transformers": {"GLIBC_TUNABLES": None}}
+
+
+class SideProcess:
+  """One side of the comparison in a process of its own, taking orders over a pipe.
+
+  Each side gets its own heap: in one shared process, one framework's freed step memory
+  became the other's page faults, and the first step after each switch took 2-4x as long.
+  """
+
+  def __init__(self, name, args, hp, threads, env=None):
+    ctx = multiprocessing.get_context("spawn")
+    self.name, (self.conn, child) = name, ctx.Pipe()
+    self.proc = ctx.Process(target=_serve_side, args=(child, name, args, hp, threads),
+                            daemon=True)
+    with _environ(env or {}):  # read by the new process at its start (glibc's tunables)
+      self.proc.start()
+    child.close()
+    self.skipped = self._recv()  # None once built, else the reason it cannot run
+
+  def _recv(self):
+    try:
+      status, payload = self.conn.recv()
+    except EOFError:
+      self.proc.join(5)
+      raise RuntimeError(f"the {self.name} process died (exit code {self.proc.exitcode})")
+    if status == "error":
+      raise RuntimeError(f"the {self.name} process failed:\n{payload}")
+    return payload
+
+  def __call__(self, batches, warmup):
+    self.conn.send(("steps", (batches, warmup)))
+    return self._recv()
+
+  def report(self, timed):
+    self.conn.send(("report", timed))
+    return self._recv()
+
+  def close(self):
+    try:
+      self.conn.send(None)
+    except (BrokenPipeError, OSError):
+      pass
+    self.proc.join(30)
+    if self.proc.is_alive():
+      self.proc.kill()
 
 
 def round_ratios(meshlm_times, torch_times, steps, rounds):
@@ -148,11 +252,12 @@ def summarise(times, cpu, losses, tokens_per_step):
           "step_time_median_s": statistics.median(times),
           "step_time_mean_s": statistics.fmean(times),
           "step_cpu_median_s": statistics.median(cpu),
+          "step_times_s": [round(t, 4) for t in times],
           "loss_first": losses[0], "loss_last": losses[-1],
           "loss_finite": bool(np.all(np.isfinite(losses)))}
 
 
-def meshlm_side(args, tokens, hp, stack):
+def meshlm_side(args, hp, stack):
   """(run_step, report): the jitted meshlm step, and the JSON fields once timed."""
   import jax
 
@@ -167,7 +272,8 @@ def meshlm_side(args, tokens, hp, stack):
                     dtype=args.dtype, scan_layers=not args.unroll_layers,
                     matmul=args.matmul, xent=args.xent)
   # A constant lr, like torch's.
-  step_fn, state, batch_sharding, mesh, layout = constant_lr_step(cfg, hp, len(tokens), args.seed)
+  step_fn, state, batch_sharding, mesh, layout = constant_lr_step(
+      cfg, hp, args.warmup + args.steps + args.rounds, args.seed)  # rounds: each one's re-warm
   step = token_step_runner(step_fn, state, batch_sharding, args.batch, args.seq)
 
   def run_step(toks):
@@ -255,8 +361,6 @@ def torch_side(args, hp, threads):
 def main(argv=None):
   args = parse_args(argv)
   threads = cpu_count()
-  import flax
-  import jax
   load_start = os.getloadavg()[0]  # other processes on the cores make wall times noisy
   if load_start > 0.5:
     log(f"warning: 1-minute load average {load_start:.1f}; timings (mostly torch's) will suffer")
@@ -264,23 +368,26 @@ def main(argv=None):
   tokens = make_tokens(args)
   log(f"meshlm: {args.steps} timed steps after {args.warmup} warmup, batch {args.batch} x "
       f"seq {args.seq}, {args.dtype}")
-  with contextlib.ExitStack() as stack:
-    sides, reports = {}, {}
-    sides["meshlm"], reports["meshlm"] = meshlm_side(args, tokens, hp, stack)
+  envs = side_environments(args.same_env)
+  procs = {"meshlm": SideProcess("meshlm", args, hp, threads, envs["meshlm"])}
+  try:
     skipped = "--skip-torch" if args.skip_torch else None
     if not skipped:
       log(f"transformers: same steps, torch threads {threads}")
-      run_step, report = torch_side(args, hp, threads)
-      if run_step is None:
-        skipped = report
-      else:
-        sides["transformers"], reports["transformers"] = run_step, report
-    rounds = min(args.rounds, args.steps) if len(sides) > 1 else 1
-    timed = time_rounds(sides, tokens, args.warmup, rounds)
-    meshlm, fpt, peak = reports["meshlm"](*timed["meshlm"])
+      procs["transformers"] = SideProcess("transformers", args, hp, threads,
+                                          envs["transformers"])
+      skipped = procs["transformers"].skipped
+      if skipped:
+        procs.pop("transformers").close()
+    rounds = min(args.rounds, args.steps) if len(procs) > 1 else 1
+    timed = time_rounds(procs, tokens, args.warmup, rounds)
+    meshlm, fpt, peak = procs["meshlm"].report(timed["meshlm"])
+    torch_res = ({"skipped": True, "reason": skipped} if skipped
+                 else procs["transformers"].report(timed["transformers"]))
+  finally:
+    for proc in procs.values():
+      proc.close()
   log(f"meshlm: {meshlm['tokens_per_s']:.0f} tokens/s, MFU {meshlm['mfu']:.3f}")
-  torch_res = ({"skipped": True, "reason": skipped} if skipped
-               else reports["transformers"](*timed["transformers"]))
   result = {
       "benchmark": "train_throughput",
       "config": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads,
@@ -289,9 +396,12 @@ def main(argv=None):
                  "rope_theta": 10000.0, "optimizer": dict(hp, name="adamw", schedule="constant"),
                  "data": "zipf tokens, numpy seed %d" % args.seed},
       "steps": args.steps, "warmup": args.warmup, "rounds": rounds,
-      "env": {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
-              "device_kind": jax.devices()[0].device_kind, "cpu_count": threads,
+      "env": {"jax": importlib.metadata.version("jax"),
+              "flax": importlib.metadata.version("flax"), "python": platform.python_version(),
+              "device_kind": meshlm["device_kind"], "cpu_count": threads,
               "machine": platform.machine(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "glibc_tunables": {name: env.get("GLIBC_TUNABLES", os.environ.get("GLIBC_TUNABLES"))
+                                 for name, env in envs.items()},
               "loadavg_1m": [load_start, os.getloadavg()[0]]},
       "meshlm": meshlm, "transformers": torch_res,
       "target_ratio": TARGET_RATIO,
