@@ -71,6 +71,17 @@ def accept(p_TV, q_YV, drafts_Y, key, n_drafts=None):
   return n, jax.random.categorical(r_key, jnp.log(residual_V)).astype(jnp.int32)
 
 
+def seen_with_drafts(seen_1V, drafts_Y, n_drafts):
+  """[Y + 1, V]: row i is the seen set of the text plus drafts 1..i (the first n_drafts are
+  real), for the repetition penalty at each verified position."""
+  t, v = drafts_Y.shape[0] + 1, seen_1V.shape[-1]
+  # A token is seen from the position after its first real draft on. (A cumsum of the
+  # drafts' one-hots lowers to a reduce-window on CPU: 7 ms of a 60 ms SmolLM2 pass.)
+  from_Y = jnp.where(jnp.arange(t - 1) < n_drafts, jnp.arange(1, t), t)
+  first_V = jnp.full((v,), t, jnp.int32).at[drafts_Y].min(from_Y)
+  return seen_1V | (jnp.arange(t)[:, None] >= first_V[None, :])
+
+
 def verify(model, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
   """One target pass over [last, drafts[:n_drafts]] (the rest is padding):
   (n, emitted_T, logprobs_T, cache, seen_1V); emitted_T[:n + 1] are the new tokens."""
@@ -79,9 +90,7 @@ def verify(model, cache, last_1, drafts_Y, n_drafts, q_YV, seen_1V, rows, step):
   real_1T = (jnp.arange(t) <= n_drafts).astype(jnp.int32)[None]
   logits_1TV, cache = kv_cache.forward(model, chunk_1T, real_1T, cache, all_logits=True)
   drafted_YV = jax.nn.one_hot(drafts_Y, v, dtype=jnp.int32) * real_1T[0, 1:, None]
-  # The repetition penalty at position i sees the text plus drafts 1..i.
-  seen_TV = seen_1V | jnp.concatenate([jnp.zeros((1, v), bool),
-                                       jnp.cumsum(drafted_YV, axis=0) > 0])
+  seen_TV = seen_with_drafts(seen_1V, drafts_Y, n_drafts)
   rows_T = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), rows)
   p_TV = sampling_probs(logits_1TV[0], seen_TV, rows_T)
   q_YV = drafted_YV.astype(jnp.float32) if q_YV is None else q_YV

@@ -10,7 +10,8 @@ from scipy import stats as scipy_stats
 from infer import Engine, SamplingParams, generate
 from infer.drafts import lookup, lookup_on_device, sampling_probs
 from infer.sampling import RowParams
-from infer.speculative import ModelDraft, PromptLookupDraft, SpeculativeDecoder, accept
+from infer.speculative import (ModelDraft, PromptLookupDraft, SpeculativeDecoder, accept,
+                               seen_with_drafts)
 from models import ModelConfig, Transformer
 from test_kv_cache import CFG, CharTokenizer, tiny_model
 
@@ -137,6 +138,20 @@ def test_greedy_acceptance_is_argmax_matching():
     assert (int(n), int(out)) == (n_expected, token)
   n, out = rule(p_TV, q_YV, jnp.asarray([2, 5]), jax.random.key(1), 1)
   assert (int(n), int(out)) == (1, 5)  # a padded draft is never kept
+
+
+def test_seen_sets_follow_the_real_drafts():
+  """Row i of seen_with_drafts is the text's seen set plus drafts 1..i, padding ignored."""
+  v = 9
+  seen_1V = jnp.zeros((1, v), bool).at[0, 7].set(True)
+  for drafts, n_drafts in (([3, 3, 5, 0], 4), ([3, 3, 5, 0], 2), ([4, 1, 4, 2], 0),
+                           ([8, 2, 8, 6], 3)):
+    got = np.asarray(jax.jit(seen_with_drafts)(seen_1V, jnp.asarray(drafts), n_drafts))
+    want = np.zeros((len(drafts) + 1, v), bool)
+    want[:, 7] = True
+    for i in range(1, len(drafts) + 1):
+      want[i:, [d for d in drafts[:min(i, n_drafts)]]] = True
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("kind", ["model", "lookup"])
