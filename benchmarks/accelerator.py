@@ -189,6 +189,7 @@ def train_model(name, spec, sz, peak, platform_name, seed):
 
   import parallel
   from benchmarks import train_throughput as tt
+  from benchmarks.turns import time_steps
   from benchmarks.accelerator_rows import model_config
   from train.flops import train_flops_per_token
   args = tt.parse_args([f"--steps={sz['steps']}", f"--warmup={sz['warmup']}",
@@ -206,10 +207,10 @@ def train_model(name, spec, sz, peak, platform_name, seed):
   sampler = PowerSampler(platform_name, jax.local_device_count())
   with parallel.axis_rules(layout.rules), jax.set_mesh(mesh):
     start = time.perf_counter()
-    tt.time_steps(run_step, tokens[:sz["warmup"]], sz["warmup"])  # compiles
+    time_steps(run_step, tokens[:sz["warmup"]], sz["warmup"])  # compiles
     compile_s = time.perf_counter() - start
     with sampler:
-      times, cpu, losses = tt.time_steps(run_step, tokens[sz["warmup"]:], 0)
+      times, cpu, losses = time_steps(run_step, tokens[sz["warmup"]:], 0)
   out = tt.summarise(times, cpu, losses, spec["batch"] * sz["seq"])
   fpt = train_flops_per_token(cfg, sz["seq"])
   out.update(mfu=out["tokens_per_s"] * fpt / (peak * jax.device_count()),

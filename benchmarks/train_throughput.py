@@ -13,8 +13,8 @@ frequencies: a falling loss on both sides is the sanity check.
 (its CPU bfloat16 autocast is a different code path), so the ratio is only
 like-for-like at float32, which the JSON records as `like_for_like`.
 
-Each side runs in a process of its own (so neither framework's freed memory turns
-into the other's page faults), and the two take turns in `--rounds` blocks of timed
+Each side runs in a process of its own (benchmarks/turns.py: its own allocator
+settings, threads and heap), and the two take turns in `--rounds` blocks of timed
 steps (ABBA order), so the ratio compares the same stretches of wall time: this
 host's speed drifts by up to 2x through the day, and drifts PyTorch more than
 meshlm. The JSON gives the ratio over all rounds and per round.
@@ -28,16 +28,12 @@ One JSON document goes to stdout; progress text goes to stderr.
 """
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
-import multiprocessing
 import os
 import platform
 import statistics
 import sys
-import time
-import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -47,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import (constant_lr_step, cpu_count, log,  # noqa: E402
                                token_step_runner)
+from benchmarks.turns import SideProcess, round_ratios, time_rounds  # noqa: E402
 
 TARGET_RATIO = 1.3  # meshlm tokens/s over transformers tokens/s
 MESHLM_TUNABLES = "glibc.malloc.hugetlb=1"  # README, "Speed on CPU"
@@ -105,144 +102,19 @@ def optimizer_hparams():
               weight_decay=float(o.weight_decay), clip_norm=float(o.clip_norm))
 
 
-def time_steps(run_step, tokens, warmup):
-  """Runs every batch; returns (wall s, process CPU s, loss) per timed step.
-
-  `run_step` must return the loss as a Python float, which also synchronises.
-  """
-  times, cpu, losses = [], [], []
-  for i, batch in enumerate(tokens):
-    start, cpu_start = time.perf_counter(), time.process_time()
-    loss = run_step(batch)
-    if i >= warmup:
-      times.append(time.perf_counter() - start)
-      cpu.append(time.process_time() - cpu_start)
-      losses.append(loss)
-  return times, cpu, losses
-
-
-def time_rounds(sides, tokens, warmup, rounds):
-  """Runs every batch on every side; returns {name: (wall s, process CPU s, loss) per timed step}.
-
-  `sides` maps a name to run(batches, warmup) -> time_steps' lists. The timed steps are
-  split into `rounds` blocks and the sides take turns block by block (ABBA order), so a
-  drift in the host's speed lands on both sides alike instead of on whichever side
-  happened to run later. Each block first repeats its first batch untimed: on this host a
-  process's first step after a pause of even half a second, or after other work, ran
-  1.6-2.7 s instead of 0.6 (meshlm; torch less), which a training loop never pays.
-  """
-  out = {name: ([], [], []) for name in sides}
-  for run in sides.values():
-    run(tokens[:warmup], warmup)
-  timed = tokens[warmup:]
-  bounds = np.linspace(0, len(timed), rounds + 1).astype(int)
-  names = list(sides)
-  for r in range(rounds):
-    for name in (names if r % 2 == 0 else names[::-1]):
-      block = timed[bounds[r]:bounds[r + 1]]
-      for acc, new in zip(out[name], sides[name](np.concatenate([block[:1], block]), 1)):
-        acc.extend(new)
-  return out
-
-
-def _serve_side(conn, name, args, hp, threads):
-  """A side's process: builds it, then runs the batches and reports it is sent."""
-  try:
-    with contextlib.ExitStack() as stack:
-      if name == "meshlm":
-        run_step, report = meshlm_side(args, hp, stack)
-      else:
-        run_step, report = torch_side(args, hp, threads)
-      conn.send(("ok", None if run_step else report))  # report: why torch is skipped
-      if run_step is None:
-        return
-      while (msg := conn.recv()) is not None:
-        kind, payload = msg
-        conn.send(("ok", time_steps(run_step, *payload) if kind == "steps"
-                   else report(*payload)))
-  except Exception:  # noqa: BLE001 -- the parent raises it, with this traceback
-    conn.send(("error", traceback.format_exc()))
-
-
-def _setenv(key, value):
-  if value is None:
-    os.environ.pop(key, None)
-  else:
-    os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _environ(changes):
-  """os.environ with `changes` applied (None removes a variable), restored afterwards."""
-  saved = {k: os.environ.get(k) for k in changes}
-  try:
-    for k, v in changes.items():
-      _setenv(k, v)
-    yield
-  finally:
-    for k, v in saved.items():
-      _setenv(k, v)
-
-
 def side_environments(same_env: bool) -> dict:
   """Each side's allocator: meshlm's process gets the tunable README recommends for it, and
   torch's glibc's default, which trained faster (mean step 0.61 s against 0.72-0.76 s with
-  the tunable: its huge-page faults stalled one step in four). --same-env: both inherit."""
-  if same_env:
+  the tunable: its huge-page faults stalled one step in four). With --same-env, or a
+  GLIBC_TUNABLES of the caller's, both sides inherit the caller's environment."""
+  if same_env or "GLIBC_TUNABLES" in os.environ:
     return {"meshlm": {}, "transformers": {}}
   return {"meshlm": {"GLIBC_TUNABLES": MESHLM_TUNABLES}, "transformers": {"GLIBC_TUNABLES": None}}
 
 
-class SideProcess:
-  """One side of the comparison in a process of its own, taking orders over a pipe.
-
-  Each side gets its own heap: in one shared process, one framework's freed step memory
-  became the other's page faults, and the first step after each switch took 2-4x as long.
-  """
-
-  def __init__(self, name, args, hp, threads, env=None):
-    ctx = multiprocessing.get_context("spawn")
-    self.name, (self.conn, child) = name, ctx.Pipe()
-    self.proc = ctx.Process(target=_serve_side, args=(child, name, args, hp, threads),
-                            daemon=True)
-    with _environ(env or {}):  # read by the new process at its start (glibc's tunables)
-      self.proc.start()
-    child.close()
-    self.skipped = self._recv()  # None once built, else the reason it cannot run
-
-  def _recv(self):
-    try:
-      status, payload = self.conn.recv()
-    except EOFError:
-      self.proc.join(5)
-      raise RuntimeError(f"the {self.name} process died (exit code {self.proc.exitcode})")
-    if status == "error":
-      raise RuntimeError(f"the {self.name} process failed:\n{payload}")
-    return payload
-
-  def __call__(self, batches, warmup):
-    self.conn.send(("steps", (batches, warmup)))
-    return self._recv()
-
-  def report(self, timed):
-    self.conn.send(("report", timed))
-    return self._recv()
-
-  def close(self):
-    try:
-      self.conn.send(None)
-    except (BrokenPipeError, OSError):
-      pass
-    self.proc.join(30)
-    if self.proc.is_alive():
-      self.proc.kill()
-
-
-def round_ratios(meshlm_times, torch_times, steps, rounds):
-  """meshlm tokens/s over torch tokens/s within each round (the same stretch of wall time)."""
-  bounds = np.linspace(0, steps, rounds + 1).astype(int)
-  return [sum(torch_times[a:b]) / sum(meshlm_times[a:b])
-          for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+def build_side(stack, name, args, hp, threads):
+  """(run_step, report) of one side, in its own process (turns.SideProcess)."""
+  return meshlm_side(args, hp, stack) if name == "meshlm" else torch_side(args, hp, threads)
 
 
 def summarise(times, cpu, losses, tokens_per_step):
@@ -369,17 +241,20 @@ def main(argv=None):
   log(f"meshlm: {args.steps} timed steps after {args.warmup} warmup, batch {args.batch} x "
       f"seq {args.seq}, {args.dtype}")
   envs = side_environments(args.same_env)
-  procs = {"meshlm": SideProcess("meshlm", args, hp, threads, envs["meshlm"])}
+  args.rounds = min(args.rounds, args.steps)  # a round holds at least one timed step
+  procs = {"meshlm": SideProcess("meshlm", build_side, ("meshlm", args, hp, threads),
+                                 envs["meshlm"])}
   try:
     skipped = "--skip-torch" if args.skip_torch else None
     if not skipped:
       log(f"transformers: same steps, torch threads {threads}")
-      procs["transformers"] = SideProcess("transformers", args, hp, threads,
+      procs["transformers"] = SideProcess("transformers", build_side,
+                                          ("transformers", args, hp, threads),
                                           envs["transformers"])
       skipped = procs["transformers"].skipped
       if skipped:
         procs.pop("transformers").close()
-    rounds = min(args.rounds, args.steps) if len(procs) > 1 else 1
+    rounds = args.rounds if len(procs) > 1 else 1
     timed = time_rounds(procs, tokens, args.warmup, rounds)
     meshlm, fpt, peak = procs["meshlm"].report(timed["meshlm"])
     torch_res = ({"skipped": True, "reason": skipped} if skipped
