@@ -145,7 +145,7 @@ def test_seen_sets_follow_the_real_drafts():
   v = 9
   seen_1V = jnp.zeros((1, v), bool).at[0, 7].set(True)
   for drafts, n_drafts in (([3, 3, 5, 0], 4), ([3, 3, 5, 0], 2), ([4, 1, 4, 2], 0),
-                           ([8, 2, 8, 6], 3)):
+                           ([8, 2, 8, 6], 3), ([3, 5, 3, 0], 1)):
     got = np.asarray(jax.jit(seen_with_drafts)(seen_1V, jnp.asarray(drafts), n_drafts))
     want = np.zeros((len(drafts) + 1, v), bool)
     want[:, 7] = True
