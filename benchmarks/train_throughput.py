@@ -296,8 +296,8 @@ def main(argv=None):
         f"(target {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'not met'}); per round "
         + ", ".join(f"{r:.2f}x" for r in result["ratio_per_round"]))
   else:
-    result.update(ratio=None, target_met=None, ratio_per_round=None, ratio_median_step=None, ratio_cpu_time=None,
-                  like_for_like=None)
+    result.update(ratio=None, target_met=None, ratio_per_round=None, ratio_median_step=None,
+                  ratio_cpu_time=None, like_for_like=None)
   print(json.dumps(result) if args.json else json.dumps(result, indent=2))
   return result
 
