@@ -46,8 +46,8 @@ def time_rounds(sides, tokens, warmup, rounds):
   happened to run later. Each block first repeats its first batch untimed: on this host a
   process's first step after a pause of even half a second, or after other work, ran
   1.6-2.7 s instead of 0.6 (meshlm; torch less), which a loop stepping back to back never
-  pays. So
-  each side makes `rounds` more updates than it has timed steps, on the same batches.
+  pays. So each side makes `rounds` more updates than it has timed steps, on the same
+  batches.
   """
   out = {name: ([], [], []) for name in sides}
   for run in sides.values():
