@@ -37,6 +37,11 @@ def time_steps(run_step, tokens, warmup):
   return times, cpu, losses
 
 
+def _bounds(steps, rounds):
+  """Where each round's timed steps start and end: rounds of equal size, give or take one."""
+  return np.linspace(0, steps, rounds + 1).astype(int)
+
+
 def time_rounds(sides, tokens, warmup, rounds):
   """Runs every batch on every side; returns {name: (wall s, process CPU s, loss) per timed step}.
 
@@ -53,7 +58,7 @@ def time_rounds(sides, tokens, warmup, rounds):
   for run in sides.values():
     run(tokens[:warmup], warmup)
   timed = tokens[warmup:]
-  bounds = np.linspace(0, len(timed), rounds + 1).astype(int)
+  bounds = _bounds(len(timed), rounds)
   names = list(sides)
   for r in range(rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
@@ -65,7 +70,7 @@ def time_rounds(sides, tokens, warmup, rounds):
 
 def round_ratios(meshlm_times, torch_times, steps, rounds):
   """meshlm tokens/s over torch tokens/s within each round (the same stretch of wall time)."""
-  bounds = np.linspace(0, steps, rounds + 1).astype(int)
+  bounds = _bounds(steps, rounds)
   return [sum(torch_times[a:b]) / sum(meshlm_times[a:b])
           for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 

@@ -126,6 +126,15 @@ class _Request:
                   self.finish_reason, self.error, prompt_tokens=len(self.prompt_ids))
 
 
+def unrolls(unroll_layers: bool | None, kv_dtype: str | None = None) -> bool:
+  """Whether decode steps run the layers unrolled: as asked, or (None) on CPU, where a scan
+  copies each layer's weights out of the stack every step; measured with a float cache only
+  (an int8 cache's unrolled steps restack its slices)."""
+  if unroll_layers is not None:
+    return bool(unroll_layers)
+  return jax.default_backend() == "cpu" and kv_dtype is None
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))
 def _prefill(graphdef, state, tokens_BT, segment_ids_BT, rows, *, max_len, kv_dtype=None):
   model = nnx.merge(graphdef, state)
@@ -252,10 +261,7 @@ class Engine:
     self.decode_steps = decode_steps
     # keys, values (and int8 scales) of a full batch: the cache's peak footprint
     self.cache_bytes = kv_cache.cache_bytes(model.cfg, max_batch, max_seq_len, kv_dtype)
-    # None: on CPU, where a scan copies each layer's weights out of the stack every step;
-    # measured with a float cache only (an int8 cache's unrolled steps restack its slices)
-    self.unroll_layers = (jax.default_backend() == "cpu" and kv_dtype is None
-                          if unroll_layers is None else bool(unroll_layers))
+    self.unroll_layers = unrolls(unroll_layers, kv_dtype)
     self.graphdef, self.state = nnx.split(model)
 
   @property

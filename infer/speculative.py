@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-from infer.engine import Engine, check_request, stop_ids as engine_stop_ids  # `stop_ids`: a local
+# engine's `stop_ids` is renamed: `stop_ids` is a local name below
+from infer.engine import Engine, check_request, stop_ids as engine_stop_ids, unrolls
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
@@ -239,8 +240,7 @@ class SpeculativeDecoder:
     self.cache_len = max_seq_len + self.gamma
     # the target's rounds run its layers unrolled as infer.Engine's decode steps do (None: on
     # CPU); its prefill and the draft model scan
-    self.unroll_layers = (jax.default_backend() == "cpu" if unroll_layers is None
-                          else bool(unroll_layers))
+    self.unroll_layers = unrolls(unroll_layers)
     self.graphdef, self.state = nnx.split(target)
 
   state = Engine.state  # assigning new weights unstacks them again at the next request
