@@ -15,6 +15,8 @@ paged and contiguous caches compute the same thing. On TPU a one-token
 decode step goes to the Pallas paged-attention kernel instead, which reads
 the pages in place. PagedEngine's CPU decode steps skip the tables and read a
 flat list of the pages in use instead (infer/ragged.py, `forward(ragged=...)`).
+A model over per-layer weights (models/layer_weights.py) writes each layer's
+chunk into the pool as it goes (`_LayerWrites`), a float pool only.
 
 With `kv_dtype="int8"` the pool holds int8 pages plus float32 scales
 [L, K, W, Z] (one per token and kv head, as infer/kv_cache.py): a chunk is
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
 from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_of_tokens
 from models.attention import attention
+from models.layer_weights import is_unrolled
 from models.config import ModelConfig
 from parallel import constrain
 
@@ -171,6 +174,30 @@ class _Pages:
     return out_BTNH, (k_KWZH, v_KWZH, k_scale_KWZ, v_scale_KWZ)
 
 
+class _LayerWrites:
+  """What Attention.decode calls per layer when the layers run unrolled
+  (models/layer_weights.py): writes the chunk into layer `layer`'s pages of the donated pool,
+  then attends as `_Pages` does in place. As in infer/kv_cache.py, the data flow orders each
+  write after the previous layer's read, so XLA updates the pool in place instead of the scan
+  form's one write of every layer's chunks after the last layer."""
+
+  def __init__(self, pages: _Pages):
+    self.pages, self.k_LKWZH, self.v_LKWZH = pages, pages.pool.k_LKWZH, pages.pool.v_LKWZH
+
+  def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+             bias_fn=None):
+    p = self.pages
+    # the scalar layer and the [B, T] page and slot indices broadcast to [B, T], leading
+    write = lambda pages_LKWZH, new_BTKH: pages_LKWZH.at[layer, :, p.page_BT, p.slot_BT].set(
+        new_BTKH.astype(pages_LKWZH.dtype))
+    self.k_LKWZH, self.v_LKWZH = write(self.k_LKWZH, k_BTKH), write(self.v_LKWZH, v_BTKH)
+    # the chunk's own slots are now written too; attention still takes them from k_BTKH
+    pages = dataclasses.replace(p, pool=PagePool(self.k_LKWZH, self.v_LKWZH))
+    out_BTNH, _ = pages.attend(layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+                               bias_fn)
+    return out_BTNH, None
+
+
 def paged_attention(q_BTNH, k_KWZH, v_KWZH, table_BY, lengths_B, positions_BT, segment_ids_BT,
                     cfg: ModelConfig):
   """The pure-JAX reference: gather through the block tables, then the shared attention()."""
@@ -244,6 +271,11 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   if in_place:
     pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool, ragged)
     layers = jnp.arange(pool.k_LKWZH.shape[0])
+    if is_unrolled(model):  # each layer writes its chunk into the pool itself
+      writes = _LayerWrites(pages)
+      logits, _ = model.decode(tokens_BT, positions_BT, real_BT, layers, writes, last_B)
+      return logits, PagePool(constrain(writes.k_LKWZH, POOL_AXES),
+                              constrain(writes.v_LKWZH, POOL_AXES))
     logits, (k_LBTKH, v_LBTKH) = model.decode(tokens_BT, positions_BT, real_BT, layers, pages,
                                               last_B)
     write = lambda pages_LKWZH, new_LBTKH: constrain(pages_LKWZH.at[:, :, page_BT, slot_BT].set(

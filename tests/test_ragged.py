@@ -4,12 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import infer.serving
 from infer import SamplingParams, paged, ragged
 from infer.serving import PagedEngine
+from models import layer_weights
 from test_engine import PROMPTS
 from test_kv_cache import LOGPROB_TOL, CharTokenizer, tiny_model
+
+
+# a prefill across pages with a padded row, a decode token, a ragged chunk
+CHUNKS = [([PROMPTS[2][:16], PROMPTS[0] + [0] * 11], [[1] * 16, [1] * 5 + [0] * 11]),
+          ([[3], [4]], [[1], [1]]), ([[7, 8, 9], [5, 0, 0]], [[1, 1, 1], [1, 0, 0]])]
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "sliding_window"])
@@ -25,10 +32,8 @@ def test_ragged_pages_give_the_block_tables_results(model):
   z, y = 4, 16
   tables = 1 + rng.permutation(2 * y).reshape(2, y)
   pools = {way: paged.init_pool(model.cfg, 2 * y + 1, z) for way in ("tables", "ragged")}
-  chunks = [([PROMPTS[2][:16], PROMPTS[0] + [0] * 11], [[1] * 16, [1] * 5 + [0] * 11]),
-            ([[3], [4]], [[1], [1]]), ([[7, 8, 9], [5, 0, 0]], [[1, 1, 1], [1, 0, 0]])]
   start_B = np.zeros(2, np.int32)
-  for tokens, segs in chunks:
+  for tokens, segs in CHUNKS:
     tokens_BT, segment_ids_BT = jnp.asarray(tokens, jnp.int32), jnp.asarray(segs, jnp.int32)
     ends = [int(e) for e in start_B + np.sum(segs, axis=1)]
     # 12 pages listed for at most 7 in use: the padding entries must change nothing
@@ -49,18 +54,52 @@ def test_ragged_pages_give_the_block_tables_results(model):
                                getattr(pools["tables"], name)[:, :, 1:], rtol=0, atol=1e-5)
 
 
+def test_unrolled_layers_write_their_pages_in_place_with_the_scans_results(model):
+  """paged.forward over per-layer weights (models/layer_weights.py: each layer writes its
+  chunk into the pool itself), through tables and through a flat list: the layer scan's
+  logits and pages."""
+  graphdef, state = nnx.split(model)
+  unrolled = layer_weights.merge(graphdef, layer_weights.unstack(state))
+  assert layer_weights.is_unrolled(unrolled)
+  z, y = 4, 16
+  tables = 1 + np.random.default_rng(1).permutation(2 * y).reshape(2, y)
+  for way in ("tables", "ragged"):
+    pools = [paged.init_pool(model.cfg, 2 * y + 1, z) for _ in range(2)]
+    start_B = np.zeros(2, np.int32)
+    for tokens, segs in CHUNKS:
+      tokens_BT, segment_ids_BT = jnp.asarray(tokens, jnp.int32), jnp.asarray(segs, jnp.int32)
+      ends = [int(e) for e in start_B + np.sum(segs, axis=1)]
+      kw = (dict(ragged=jax.tree.map(jnp.asarray, ragged.build([list(t) for t in tables], ends,
+                                                               2, z, 12)))
+            if way == "ragged" else {})
+      table_BY = None if kw else jnp.asarray(tables)
+      logits = []
+      for i, m in enumerate((model, unrolled)):
+        out_BTV, pools[i] = paged.forward(m, pools[i], tokens_BT, segment_ids_BT,
+                                          jnp.asarray(start_B), table_BY, all_logits=True, **kw)
+        logits.append(np.where(np.asarray(segment_ids_BT)[..., None] > 0, out_BTV, 0))
+      np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=LOGPROB_TOL)
+      start_B = np.asarray(ends, np.int32)
+    for name in ("k_LKWZH", "v_LKWZH"):  # page 0 takes padding's writes: not compared
+      np.testing.assert_allclose(getattr(pools[1], name)[:, :, 1:],
+                                 getattr(pools[0], name)[:, :, 1:], rtol=0, atol=1e-5)
+
+
 def test_paged_engine_decodes_the_same_with_and_without_ragged_pages(model):
+  """Ragged or table decode steps, over per-layer weights or the layer scan: one output."""
   params = [SamplingParams(max_tokens=10, logprobs=True),
             SamplingParams(max_tokens=10, logprobs=True, temperature=1.0, top_k=20, seed=3)]
   results = {}
-  for way in (True, False):
+  for way, unroll in ((True, True), (False, True), (True, False)):
     engine = PagedEngine(model, CharTokenizer(), max_seq_len=64, max_batch=4, block_size=4,
-                         prefill_chunk=8, ragged_decode=way)
-    results[way] = engine.generate(PROMPTS, params * (len(PROMPTS) // 2))
+                         prefill_chunk=8, ragged_decode=way, unroll_layers=unroll)
+    results[way, unroll] = engine.generate(PROMPTS, params * (len(PROMPTS) // 2))
     assert (engine.counters()["ragged_decode_steps"] > 0) == way
-  for a, b in zip(results[True], results[False]):
-    assert a.token_ids == b.token_ids
-    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_TOL)
+    assert isinstance(engine.weights(), layer_weights.LayerWeights) == unroll
+  for other in ((False, True), (True, False)):
+    for a, b in zip(results[True, True], results[other]):
+      assert a.token_ids == b.token_ids
+      np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_TOL)
 
 
 def test_ragged_lists_refuse_what_does_not_fit():
