@@ -65,6 +65,9 @@ def test_decode_benchmark_quick_serving_rows_emit_json():
     side = serving[name]
     assert side["requests_per_s"] > 0 and side["ttft_s"]["p50"] <= side["ttft_s"]["p99"]
   assert serving["continuous"]["counters"]["finished"] == 16
+  walls = serving["wall_s_per_round"]  # two timed rounds per side, the ratio of their sums
+  assert len(walls["static"]) == len(walls["continuous"]) == len(serving["ratio_per_round"]) == 2
+  assert abs(serving["ratio_throughput"] - sum(walls["static"]) / sum(walls["continuous"])) < 1e-9
   assert serving["continuous"]["prefix_caching"] is False
   assert serving["continuous_prefix_cache"]["prefix_caching"] is True
   # The small pool really is smaller, and serves the same tokens.
