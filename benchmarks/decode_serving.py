@@ -16,12 +16,15 @@ finishes. Continuous batching is `PagedEngine` with the same eight slots and
 context length, prefix caching off for the headline ratio (and timed again
 with it on). Each side is timed twice, in the order static, continuous,
 continuous + prefix cache, continuous, static, and the ratio is of the summed
-wall times (the host's speed drifts; `ratio_per_round` shows each pair). Compilation is kept out of the timed runs: static batching first
-serves the workload with outputs cut to 2 tokens (which meets all of its
-shapes), continuous batching the whole workload, with and without the prefix
-cache; each timed run is a fresh engine, so no prefix cache carries over. Row
-5 serves the workload again in a pool of 40% of the max-length allocation and
-checks the outputs do not change.
+wall times (the host's speed drifts; `ratio_per_round` shows each pair).
+`static` and `continuous` (latencies, counters) are round 1's, `static_round2`
+and `continuous_round2` round 2's, and the prefix-cached run is compared with
+the mean static wall. Compilation is kept out of the timed runs: static
+batching first serves the workload with outputs cut to 2 tokens (which meets
+all of its shapes), continuous batching the whole workload, with and without
+the prefix cache; each timed run is a fresh engine, so no prefix cache carries
+over. Row 5 serves the workload again in a pool of 40% of the max-length
+allocation and checks the outputs do not change.
 """
 
 import argparse
@@ -183,6 +186,7 @@ def run(quick: bool, model_name: str = "smollm", n_requests: int | None = None,
   return {
       "3_continuous_vs_static": dict(
           common, static=static, continuous=cont, continuous_prefix_cache=cached,
+          static_round2=static2, continuous_round2=cont2,
           wall_s_per_round=walls, ratio_throughput=ratio,
           ratio_per_round=[a / b for a, b in zip(walls["static"], walls["continuous"])],
           ratio_throughput_with_prefix_cache=(sum(walls["static"]) / 2) / cached["wall_s"],

@@ -191,7 +191,8 @@ class _LayerWrites:
     write = lambda pages_LKWZH, new_BTKH: pages_LKWZH.at[layer, :, p.page_BT, p.slot_BT].set(
         new_BTKH.astype(pages_LKWZH.dtype))
     self.k_LKWZH, self.v_LKWZH = write(self.k_LKWZH, k_BTKH), write(self.v_LKWZH, v_BTKH)
-    # the chunk's own slots are now written too; attention still takes them from k_BTKH
+    # the chunk's slots now hold it too: the ragged path masks them and takes k_BTKH, the
+    # tables' path writes the same values into its gathered rows again
     pages = dataclasses.replace(p, pool=PagePool(self.k_LKWZH, self.v_LKWZH))
     out_BTNH, _ = pages.attend(layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
                                bias_fn)

@@ -159,7 +159,8 @@ class PagedEngine(Engine):
     decodes = [(s, n) for s, n in work.chunks if n == 1]
     # Prefill chunks padded to one length: a group per power-of-two length keeps the padding
     # (computed like real tokens) under half of each call, and the group's length is
-    # `_chunk_len` of its longest chunk (a lone chunk, the common case, pads under 25%).
+    # `_chunk_len` of its longest chunk (a lone chunk of 16 tokens or more, the common case,
+    # pads under 25%).
     by_length = collections.defaultdict(list)
     for s, n in work.chunks:
       if n > 1:
@@ -198,7 +199,8 @@ class PagedEngine(Engine):
   def _chunk_len(self, n: int) -> int:
     """A prefill group's padded length for chunks of up to n tokens: kv_cache.bucket's
     (under 25% padding, four lengths per doubling; powers of two padded a 65-token chunk to
-    128, and a prefill's time grows with its padded length)."""
+    128, and a prefill's time grows with its padded length). More lengths, more shapes to
+    compile: 17 up to 256 tokens instead of 5 (docs/results.md, row 3)."""
     return kv_cache.bucket(n, self._longest_chunk, 16)
 
   @staticmethod
@@ -288,8 +290,8 @@ class PagedEngine(Engine):
 
   def _step_weights(self, t: int):
     """Decode steps (t = 1) read `weights()`, unrolled as Engine's are. Prefill steps scan:
-    unrolled, a SmolLM2 prefill shape compiled in 5 s instead of 1.6 s and ran 3-20% faster,
-    for one call per admitted prompt."""
+    unrolled, a SmolLM2 prefill shape compiled in 4.7-5.2 s instead of 1.5-1.8 s and ran
+    3-20% faster, for one call per admitted prompt."""
     return self.weights() if t == 1 else self.state
 
   def _run_group(self, group: list[tuple[Sequence, int]], rows: int) -> list[tuple[int, Token]]:

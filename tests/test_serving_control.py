@@ -84,7 +84,7 @@ def test_precompile_covers_every_step_the_scheduler_runs(model, monkeypatch):
   assert engine.precompile() == len(engine.step_shapes())
   monkeypatch.setattr(infer.serving, "_step", None)  # nothing may compile from here on
   params = SamplingParams(max_tokens=12, ignore_eos=True)
-  prompts = [p * 2 for p in PROMPTS if len(p) <= 24] + PROMPTS  # chunks of 16, 32 and 64
+  prompts = [p * 2 for p in PROMPTS if len(p) <= 24] + PROMPTS  # chunks of many lengths
   results = engine.generate(prompts, params)
   monkeypatch.undo()
   fresh = _engine(model, prefill_chunk=32)
