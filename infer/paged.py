@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
 from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_of_tokens
 from models.attention import attention
-from models.layer_weights import is_unrolled
 from models.config import ModelConfig
+from models.layer_weights import is_unrolled
 from parallel import constrain
 
 POOL_AXES = ("layers", "act_kv_heads", None, None, None)
