@@ -57,7 +57,7 @@ def measure(model, pages: int, batch: int, steps: int, mixed: bool, context: int
   start = (np.linspace(16, context - 2, batch).astype(int) if mixed
            else np.full(batch, context - 56))
   ends = [int(s) + 1 for s in start]
-  size = kv_cache.bucket(ragged.count(ends, 16), batch * width, 16)
+  size = kv_cache.bucket(ragged.count(ends, 16), batch * -(-width // ragged.GROUP), 8)
   flat = jax.tree.map(jnp.asarray, ragged.build(table_BY.tolist(), ends, batch, 16, size))
   args = (jnp.ones((batch, 1), jnp.int32), jnp.asarray(start, jnp.int32),
           jnp.asarray(table_BY, jnp.int32))
@@ -80,7 +80,7 @@ def measure(model, pages: int, batch: int, steps: int, mixed: bool, context: int
                "min_step_s": float(np.min(times[way]))} for way in WAYS}
   paired = lambda a, b: float(np.median(np.asarray(times[a]) / np.asarray(times[b])))
   out.update(pool_mib=paged.page_bytes(model.cfg, 16) * (pages + 1) / 2 ** 20,
-             ragged_pages=size, table_pages=batch * width,
+             ragged_pages=size * ragged.GROUP, table_pages=batch * width,
              speedup=paired("scan_copy", "in_place"), ragged_speedup=paired("in_place", "ragged"))
   return out
 

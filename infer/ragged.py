@@ -2,11 +2,16 @@
 
 The gathering path (infer/paged.py) lays every row out to the batch's widest
 block table, so a decode step of eight rows whose longest holds 300 tokens
-reads 8 × 512 slots. Here the step's pages in use are listed once, flat: page
-p of the list belongs to row `row_P[p]` and is block `block_P[p]` of that
-row's table. Scores are taken page by page against the owning row's queries,
-and the softmax is a segmented one over each row's pages plus the chunk's own
-keys. Work is proportional to the pages in use, not to rows × widest row.
+reads 8 × 512 slots. Here the step's pages in use are listed once, flat, in
+entries of up to GROUP consecutive pages of one row: entry p belongs to row
+`row_P[p]` and holds blocks `block_P[p]`.. of that row's table (null pages
+fill a row's last entry). Scores are taken entry by entry against the owning
+row's queries, and the softmax is a segmented one over each row's entries
+plus the chunk's own keys. Work is proportional to the pages in use (plus at
+most GROUP - 1 null pages per row), not to rows × widest row. With entries of
+one page the scores were hundreds of tiny batched dots per layer: a SmolLM2 CPU
+decode step of eight rows over 96 pages took 50.2 ms, against 45.3 ms with four
+(docs/results.md).
 
 Only float pools read in place take this path (`paged.forward(ragged=...)`),
 pure JAX on every backend. PagedEngine takes it for decode steps on CPU
@@ -21,19 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 
 NULL_PAGE = 0
+GROUP = 4  # pages per entry: 64 token slots at the default block size
 
 
 class RaggedPages(NamedTuple):
-  """The pages a step reads, flat and grouped by row (rows ascending)."""
-  page_P: jax.Array   # int32 page ids; NULL_PAGE pads the list to its bucket
-  row_P: jax.Array    # the row each page belongs to (padding: the last row)
-  block_P: jax.Array  # the page's index in its row's block table; -1 marks padding
+  """The pages a step reads, flat and grouped by row (rows ascending), GROUP to an entry."""
+  page_PY: jax.Array  # int32 page ids of each entry's consecutive blocks; NULL_PAGE pads
+  row_P: jax.Array    # the row each entry belongs to (padding: the last row)
+  block_P: jax.Array  # the entry's first block in its row's table; -1 marks padding
 
 
 def build(tables: list[list[int]], ends: list[int], rows: int, page_size: int,
-          size: int) -> RaggedPages:
-  """Host side: row i's first ceil(ends[i] / page_size) pages of tables[i], flat, padded to
-  `size` entries. `ends[i]`: the tokens row i holds once this step's chunk is written."""
+          size: int, group: int = GROUP) -> RaggedPages:
+  """Host side: row i's first ceil(ends[i] / page_size) pages of tables[i], `group` to an
+  entry, padded to `size` entries. `ends[i]`: the tokens row i holds once this step's chunk
+  is written."""
   if len(tables) != len(ends) or len(tables) > rows:
     raise ValueError(f"{len(tables)} tables and {len(ends)} ends for {rows} rows")
   page, row, block = [], [], []
@@ -41,28 +48,35 @@ def build(tables: list[list[int]], ends: list[int], rows: int, page_size: int,
     n = -(-end // page_size)
     if n > len(table):
       raise ValueError(f"row {i} holds {end} tokens but its table lists {len(table)} pages")
-    page += table[:n]
-    row += [i] * n
-    block += range(n)
+    for first in range(0, n, group):
+      ids = list(table[first:min(first + group, n)])
+      page.append(ids + [NULL_PAGE] * (group - len(ids)))
+      row.append(i)
+      block.append(first)
   if len(page) > size:
-    raise ValueError(f"{len(page)} pages in use do not fit a ragged list of {size}")
+    raise ValueError(f"{len(page)} entries of the pages in use do not fit a ragged list of "
+                     f"{size}")
   pad = size - len(page)
   as_array = lambda xs, fill: np.asarray(list(xs) + [fill] * pad, np.int32)
-  return RaggedPages(as_array(page, NULL_PAGE), as_array(row, rows - 1), as_array(block, -1))
+  return RaggedPages(np.asarray(page + [[NULL_PAGE] * group] * pad, np.int32).reshape(size, group),
+                     as_array(row, rows - 1), as_array(block, -1))
 
 
-def count(ends: list[int], page_size: int) -> int:
-  """How many pages `build` lists for these rows."""
-  return sum(-(-end // page_size) for end in ends)
+def count(ends: list[int], page_size: int, group: int = GROUP) -> int:
+  """How many entries `build` lists for these rows."""
+  return sum(-(-(-(-end // page_size)) // group) for end in ends)
 
 
 def pages_of_tokens(pages: RaggedPages, block_BT):
   """[B, T]: the page holding block block_BT[b, t] of row b, looked up in the flat list
   (NULL_PAGE where the list has none)."""
   b = block_BT.shape[0]
-  hit_BTP = ((pages.row_P[None, None, :] == jnp.arange(b)[:, None, None])
-             & (pages.block_P[None, None, :] == block_BT[:, :, None]))
-  return jnp.sum(jnp.where(hit_BTP, pages.page_P[None, None, :], NULL_PAGE), axis=-1)
+  y = pages.page_PY.shape[1]
+  block_PY = pages.block_P[:, None] + jnp.arange(y, dtype=jnp.int32)
+  hit_BTPY = ((pages.row_P[None, None, :, None] == jnp.arange(b)[:, None, None, None])
+              & (pages.block_P >= 0)[None, None, :, None]
+              & (block_PY[None, None] == block_BT[:, :, None, None]))
+  return jnp.sum(jnp.where(hit_BTPY, pages.page_PY[None, None], NULL_PAGE), axis=(-2, -1))
 
 
 def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, start_B,
@@ -78,36 +92,39 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   dtype = q_BTNH.dtype
   q_BTKGH = q_BTNH.reshape(b, t, k, g, h)
   q_KPGTH = jnp.transpose(q_BTKGH, (2, 0, 3, 1, 4))[:, pages.row_P]
-  k_KPZH = k_LKWZH[layer][:, pages.page_P].astype(dtype)
-  v_KPZH = v_LKWZH[layer][:, pages.page_P].astype(dtype)
-  old_KPGTZ = jnp.einsum("KPGTH,KPZH->KPGTZ", q_KPGTH, k_KPZH).astype(jnp.float32) * cfg.scale
+  # an entry's Y pages as one run of S = Y·Z key slots: one dot per entry, not per page
+  p, y = pages.page_PY.shape
+  k_KPSH = k_LKWZH[layer][:, pages.page_PY].reshape(k, p, y * z, h).astype(dtype)
+  v_KPSH = v_LKWZH[layer][:, pages.page_PY].reshape(k, p, y * z, h).astype(dtype)
+  old_KPGTS = jnp.einsum("KPGTH,KPSH->KPGTS", q_KPGTH, k_KPSH).astype(jnp.float32) * cfg.scale
   # the chunk's own keys, at key positions S (the same positions as its queries T)
   new_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH.astype(dtype)).astype(
       jnp.float32) * cfg.scale
 
-  pos_PZ = pages.block_P[:, None] * z + jnp.arange(z, dtype=jnp.int32)
-  old_PTZ = ((pages.block_P >= 0)[:, None, None]
-             & (pos_PZ < start_B[pages.row_P][:, None])[:, None, :])
+  pos_PS = pages.block_P[:, None] * z + jnp.arange(y * z, dtype=jnp.int32)
+  # an entry's null pages lie past its row's end, so past start_B too
+  old_PTS = ((pages.block_P >= 0)[:, None, None]
+             & (pos_PS < start_B[pages.row_P][:, None])[:, None, :])
   new_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
              & (segment_ids_BT > 0)[:, None, :])
   if cfg.sliding_window:
     q_pos_PT = positions_BT[pages.row_P]
-    old_PTZ = old_PTZ & (pos_PZ[:, None, :] > q_pos_PT[:, :, None] - cfg.sliding_window)
+    old_PTS = old_PTS & (pos_PS[:, None, :] > q_pos_PT[:, :, None] - cfg.sliding_window)
     new_BTS = new_BTS & (positions_BT[:, None, :] > positions_BT[:, :, None] - cfg.sliding_window)
-  old_KPGTZ = jnp.where(old_PTZ[None, :, None], old_KPGTZ, -jnp.inf)
+  old_KPGTS = jnp.where(old_PTS[None, :, None], old_KPGTS, -jnp.inf)
   new_BKGTS = jnp.where(new_BTS[:, None, None], new_BKGTS, -jnp.inf)
 
-  # A segmented softmax: the max and the sums run over each row's pages, then its chunk.
+  # A segmented softmax: the max and the sums run over each row's entries, then its chunk.
   segment = lambda x_P, op: op(x_P, pages.row_P, num_segments=b, indices_are_sorted=True)
-  max_PKGT = jnp.moveaxis(jnp.max(old_KPGTZ, axis=-1), 1, 0)
+  max_PKGT = jnp.moveaxis(jnp.max(old_KPGTS, axis=-1), 1, 0)
   max_BKGT = jnp.maximum(segment(max_PKGT, jax.ops.segment_max), jnp.max(new_BKGTS, axis=-1))
   max_BKGT = jnp.where(jnp.isfinite(max_BKGT), max_BKGT, 0.0)  # rows that see nothing
-  old_KPGTZ = jnp.exp(old_KPGTZ - jnp.moveaxis(max_BKGT[pages.row_P], 0, 1)[..., None])
+  old_KPGTS = jnp.exp(old_KPGTS - jnp.moveaxis(max_BKGT[pages.row_P], 0, 1)[..., None])
   new_BKGTS = jnp.exp(new_BKGTS - max_BKGT[..., None])
-  sum_BKGT = (segment(jnp.moveaxis(jnp.sum(old_KPGTZ, axis=-1), 1, 0), jax.ops.segment_sum)
+  sum_BKGT = (segment(jnp.moveaxis(jnp.sum(old_KPGTS, axis=-1), 1, 0), jax.ops.segment_sum)
               + jnp.sum(new_BKGTS, axis=-1))
-  # per-page partial sums stay float32 until the division (one rounding, as in attention())
-  out_PKGTH = jnp.einsum("KPGTZ,KPZH->PKGTH", old_KPGTZ.astype(dtype), v_KPZH,
+  # per-entry partial sums stay float32 until the division (one rounding, as in attention())
+  out_PKGTH = jnp.einsum("KPGTS,KPSH->PKGTH", old_KPGTS.astype(dtype), v_KPSH,
                          preferred_element_type=jnp.float32)
   out_BKGTH = (segment(out_PKGTH, jax.ops.segment_sum)
                + jnp.einsum("BKGTS,BSKH->BKGTH", new_BKGTS.astype(dtype), v_BTKH.astype(dtype),

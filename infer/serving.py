@@ -187,9 +187,9 @@ class PagedEngine(Engine):
     if not self.ragged_decode:
       return shapes + [(self.max_batch, 1, w, 0) for w in widths]
     # A page shared through the prefix cache is listed once per row that reads it, so the
-    # list may be longer than the pool: every length up to rows x widest table.
-    sizes = {self._ragged_size(n, self.max_batch * w) for w in widths
-             for n in range(1, self.max_batch * w + 1)}
+    # list may be longer than the pool: every length up to rows x widest table's entries.
+    sizes = {self._ragged_size(n, self._ragged_cap(self.max_batch, w)) for w in widths
+             for n in range(1, self._ragged_cap(self.max_batch, w) + 1)}
     return shapes + [(self.max_batch, 1, 0, size) for size in sorted(sizes)]
 
   @property
@@ -204,10 +204,15 @@ class PagedEngine(Engine):
     return kv_cache.bucket(n, self._longest_chunk, 16)
 
   @staticmethod
-  def _ragged_size(pages_in_use: int, table_pages: int) -> int:
+  def _ragged_size(entries: int, cap: int) -> int:
     """The flat list's length for a decode step: kv_cache.bucket's lengths (under 25%
-    padding), at most the block tables' pages, which always hold every page in use."""
-    return kv_cache.bucket(pages_in_use, table_pages, 16)
+    padding), at most `_ragged_cap`, which always holds every page in use."""
+    return kv_cache.bucket(entries, cap, 8)
+
+  @staticmethod
+  def _ragged_cap(rows: int, width: int) -> int:
+    """Entries (infer/ragged.py: GROUP pages each) of `rows` block tables `width` wide."""
+    return rows * -(-width // ragged.GROUP)
 
   def precompile(self) -> int:
     """Compiles every step shape ahead of traffic (a server's warm-up), so that no request
@@ -217,7 +222,8 @@ class PagedEngine(Engine):
       if (rows, t, width, size) in self._compiled:
         continue
       zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
-      pages = paged.RaggedPages(*(zeros(size) for _ in range(3))) if size else zeros(rows, width)
+      pages = (paged.RaggedPages(zeros(size, ragged.GROUP), zeros(size), zeros(size)) if size
+               else zeros(rows, width))
       args = (zeros(rows, t), zeros(rows, t), zeros(rows), pages,
               zeros(rows, self.vocab_size, dtype=bool), RowParams.stack([SamplingParams()] * rows),
               zeros(rows))
@@ -321,7 +327,8 @@ class PagedEngine(Engine):
     pages, size = table_BY, 0
     if ragged_step:
       ends = [seq.num_computed + n for seq, n in group]
-      size = self._ragged_size(ragged.count(ends, self.block_size), rows * width)
+      size = self._ragged_size(ragged.count(ends, self.block_size),
+                               self._ragged_cap(rows, width))
       pages = ragged.build([seq.blocks.blocks for seq, _ in group], ends, rows,
                            self.block_size, size)
       width = 0

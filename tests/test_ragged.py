@@ -102,9 +102,25 @@ def test_paged_engine_decodes_the_same_with_and_without_ragged_pages(model):
       np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_TOL)
 
 
+def test_ragged_lists_group_a_rows_pages_into_entries():
+  """Entries of up to `group` consecutive pages of one row; null pages fill a row's last."""
+  flat = ragged.build([[5, 6, 7, 8, 9], [3, 4]], [17, 3], 2, 4, 5, group=2)
+  assert flat.page_PY.tolist() == [[5, 6], [7, 8], [9, 0], [3, 0], [0, 0]]
+  assert flat.row_P.tolist() == [0, 0, 0, 1, 1]
+  assert flat.block_P.tolist() == [0, 2, 4, 0, -1]
+  assert ragged.count([17, 3], 4, group=2) == 4
+  # a token's page, looked up in the entries; block 1 of row 1 is not listed
+  block_BT = jnp.asarray([[0, 3, 4], [0, 1, 1]])
+  assert ragged.pages_of_tokens(jax.tree.map(jnp.asarray, flat), block_BT).tolist() == [
+      [5, 8, 9], [3, 0, 0]]
+
+
 def test_ragged_lists_refuse_what_does_not_fit():
-  with pytest.raises(ValueError, match="3 pages in use do not fit a ragged list of 2"):
-    ragged.build([[1, 2], [3]], [8, 1], 2, 4, 2)
+  with pytest.raises(ValueError, match="3 entries of the pages in use do not fit a ragged "
+                                       "list of 2"):
+    ragged.build([[1, 2], [3]], [8, 1], 2, 4, 2, group=1)
+  with pytest.raises(ValueError, match="2 entries .* do not fit a ragged list of 1"):
+    ragged.build([[1, 2], [3]], [8, 1], 2, 4, 1)
   with pytest.raises(ValueError, match="row 1 holds 9 tokens but its table lists 1 pages"):
     ragged.build([[1, 2], [3]], [8, 9], 2, 4, 8)
   with pytest.raises(ValueError, match="3 tables and 3 ends for 2 rows"):
@@ -123,13 +139,15 @@ def test_decode_shapes_are_the_ragged_sizes():
   engine = PagedEngine(tiny_model(), CharTokenizer(), max_seq_len=64, max_batch=4,
                        block_size=4, ragged_decode=True)
   decode = [(w, s) for rows, t, w, s in engine.step_shapes() if t == 1]
-  assert decode == [(0, s) for s in (16, 20, 24, 28, 32, 40, 48, 56, 64)]  # 64 = 4 x 16 pages
+  # at most 4 rows x 16 pages, in entries of 4 pages; a 4-page table gives at most 4 entries
+  assert decode == [(0, s) for s in (4, 8, 10, 12, 14, 16)]
+  assert PagedEngine._ragged_cap(4, 16) == 16 and PagedEngine._ragged_cap(4, 5) == 8
   assert PagedEngine._ragged_size(17, 64) == 20 and PagedEngine._ragged_size(17, 32) == 20
 
 
 def test_shared_prefix_pages_are_listed_per_row_and_precompiled(model, monkeypatch):
   """Four rows share a prompt's first 4 pages through the prefix cache: the flat list names
-  them once per row, 32 entries from a pool of 20 pages, a length precompile() covers."""
+  them once per row, 32 pages (8 entries) from a pool of 20, a length precompile() covers."""
   prefix = PROMPTS[2][:16]
   prompts = [prefix + [(5 * i + j) % 64 for j in range(4)] for i in range(4)]
   params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
