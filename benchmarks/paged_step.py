@@ -80,7 +80,7 @@ def measure(model, pages: int, batch: int, steps: int, mixed: bool, context: int
                "min_step_s": float(np.min(times[way]))} for way in WAYS}
   paired = lambda a, b: float(np.median(np.asarray(times[a]) / np.asarray(times[b])))
   out.update(pool_mib=paged.page_bytes(model.cfg, 16) * (pages + 1) / 2 ** 20,
-             ragged_pages=size * ragged.GROUP, table_pages=batch * width,
+             ragged_entries=size, ragged_pages=size * ragged.GROUP, table_pages=batch * width,
              speedup=paired("scan_copy", "in_place"), ragged_speedup=paired("in_place", "ragged"))
   return out
 

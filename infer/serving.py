@@ -176,10 +176,10 @@ class PagedEngine(Engine):
     return events
 
   def step_shapes(self) -> list[tuple[int, int, int, int]]:
-    """Every (rows, tokens, table width, ragged pages) a step can run: prefill groups (rows
+    """Every (rows, tokens, table width, ragged entries) a step can run: prefill groups (rows
     in powers of two, `_chunk_len`'s lengths) and the decode batch (block-table widths in
-    powers of two, or with ragged_decode flat page lists in kv_cache.bucket's lengths). One of
-    width and pages is 0."""
+    powers of two, or with ragged_decode flat lists of entries (infer/ragged.py) in
+    kv_cache.bucket's lengths). One of width and entries is 0."""
     lengths = sorted({self._chunk_len(n) for n in range(2, self._longest_chunk + 1)})
     shapes = [(1 << i, t, self.max_blocks, 0) for t in lengths
               for i in range(_pow2(self.max_batch).bit_length())]
@@ -206,7 +206,7 @@ class PagedEngine(Engine):
   @staticmethod
   def _ragged_size(entries: int, cap: int) -> int:
     """The flat list's length for a decode step: kv_cache.bucket's lengths (under 25%
-    padding), at most `_ragged_cap`, which always holds every page in use."""
+    padding), at most `_ragged_cap`, which always holds every entry in use."""
     return kv_cache.bucket(entries, cap, 8)
 
   @staticmethod

@@ -36,7 +36,7 @@ def test_ragged_pages_give_the_block_tables_results(model):
   for tokens, segs in CHUNKS:
     tokens_BT, segment_ids_BT = jnp.asarray(tokens, jnp.int32), jnp.asarray(segs, jnp.int32)
     ends = [int(e) for e in start_B + np.sum(segs, axis=1)]
-    # 12 pages listed for at most 7 in use: the padding entries must change nothing
+    # 12 entries listed for at most 3 in use (7 pages): the padding entries must change nothing
     flat = ragged.build([list(t) for t in tables], ends, 2, z, 12)
     assert ragged.count(ends, z) == int(np.sum(flat.block_P >= 0))
     want_BTV, pools["tables"] = paged.forward(model, pools["tables"], tokens_BT, segment_ids_BT,
