@@ -45,7 +45,7 @@ def build(tables: list[list[int]], ends: list[int], rows: int, page_size: int,
     raise ValueError(f"{len(tables)} tables and {len(ends)} ends for {rows} rows")
   page, row, block = [], [], []
   for i, (table, end) in enumerate(zip(tables, ends)):
-    n = -(-end // page_size)
+    n = _ceil_div(end, page_size)
     if n > len(table):
       raise ValueError(f"row {i} holds {end} tokens but its table lists {len(table)} pages")
     for first in range(0, n, group):
@@ -64,7 +64,11 @@ def build(tables: list[list[int]], ends: list[int], rows: int, page_size: int,
 
 def count(ends: list[int], page_size: int, group: int = GROUP) -> int:
   """How many entries `build` lists for these rows."""
-  return sum(-(-(-(-end // page_size)) // group) for end in ends)
+  return sum(_ceil_div(_ceil_div(end, page_size), group) for end in ends)
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
 
 
 def pages_of_tokens(pages: RaggedPages, block_BT):

@@ -188,8 +188,8 @@ class PagedEngine(Engine):
       return shapes + [(self.max_batch, 1, w, 0) for w in widths]
     # A page shared through the prefix cache is listed once per row that reads it, so the
     # list may be longer than the pool: every length up to rows x widest table's entries.
-    sizes = {self._ragged_size(n, self._ragged_cap(self.max_batch, w)) for w in widths
-             for n in range(1, self._ragged_cap(self.max_batch, w) + 1)}
+    caps = {self._ragged_cap(self.max_batch, w) for w in widths}
+    sizes = {self._ragged_size(n, cap) for cap in caps for n in range(1, cap + 1)}
     return shapes + [(self.max_batch, 1, 0, size) for size in sorted(sizes)]
 
   @property
