@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-from infer.engine import Engine, _Request
+from infer.engine import Engine
+from infer.requests import Request
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
 
 
@@ -118,7 +119,7 @@ class Seq2SeqEngine(Engine):
     self.graphdef, self.state = nnx.split(model)
     self.unroll_layers = False  # its steps scan (infer/engine.py unrolls decoders only)
 
-  def _request(self, source, params: SamplingParams) -> _Request:
+  def _request(self, source, params: SamplingParams) -> Request:
     if isinstance(source, str):
       if self.tokenizer is None:
         raise ValueError("a text source needs a tokenizer; pass token ids or a tokenizer")
@@ -142,9 +143,9 @@ class Seq2SeqEngine(Engine):
                        f"{self.vocab_size})")
     if params.stop and self.tokenizer is None:
       raise ValueError("stop strings need a tokenizer (use stop_token_ids)")
-    return _Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
+    return Request(ids, params, self.eos_id, self.tokenizer or _IdsOnly())
 
-  def _run(self, requests: list[_Request], per_token: bool = False):
+  def _run(self, requests: list[Request], per_token: bool = False):
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens (one step
     per jitted call, whatever `per_token` says)."""
     n = len(requests)

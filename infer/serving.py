@@ -34,7 +34,8 @@ import numpy as np
 
 from infer import kv_cache, paged, ragged
 from infer.block_manager import BlockManager
-from infer.engine import Engine, Result, Token, batch_of_requests
+from infer.engine import Engine
+from infer.requests import Result, Token, batch_of_requests
 from infer.sampling import MAX_TOP_LOGPROBS, RowParams, SamplingParams, sample
 from infer.scheduler import Scheduler, Sequence
 from models import layer_weights

@@ -38,7 +38,8 @@ from flax import nnx
 
 from infer import kv_cache
 # engine's `stop_ids` is renamed: `stop_ids` is a local name below
-from infer.engine import Engine, check_request, stop_ids as engine_stop_ids, unrolls
+from infer.engine import Engine, unrolls
+from infer.requests import check_request, stop_ids as engine_stop_ids
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen

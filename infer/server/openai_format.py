@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 
-from infer.engine import Token
+from infer.requests import Token
 
 
 def new_id(kind: str) -> str:

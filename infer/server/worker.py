@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 
-from infer.engine import Token
+from infer.requests import Token
 from infer.sampling import SamplingParams
 from infer.serving import PagedEngine
 
