@@ -141,7 +141,7 @@ class Sampler:
 
   def __call__(self, params, prompts: list[list[int]], seeds: list[int], *,
                temperature: float, max_new_tokens: int):
-    """infer.engine.Results, one per prompt, sampled from the model `params` make."""
+    """infer.Results, one per prompt, sampled from the model `params` make."""
     if self.engine is None:
       self.engine = Engine(nnx.merge(self.graphdef, params), self.tokenizer, self.max_seq_len,
                            self.max_batch)

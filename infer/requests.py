@@ -1,6 +1,8 @@
-"""A request's host-side life: checked on arrival, its tokens and text as they come, its stop
-conditions, and what it returns (`Result`, streamed `Token`s). Shared by the `Engine`, the
-`PagedEngine`, speculative decoding and the encoder-decoder engine."""
+"""A request's host-side life: checked on arrival (`check_request`), its tokens and text as
+they come and its stop conditions (`Request`), and what it returns (`Result`, streamed
+`Token`s); `stop_ids` lays the rows' stop token ids out for the device. The `Engine`, the
+`PagedEngine` and the encoder-decoder engine keep a `Request` per request; speculative
+decoding checks its requests and stop ids here."""
 
 import dataclasses
 

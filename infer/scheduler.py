@@ -19,7 +19,8 @@ from infer.block_manager import BlockManager, SeqBlocks
 
 
 class Sequence:
-  """One request as the scheduler sees it. `request` is the engine's host-side request state."""
+  """One request as the scheduler sees it. `request` is its host-side state
+  (infer/requests.py `Request`)."""
 
   def __init__(self, rid: int, request):
     self.rid, self.request = rid, request

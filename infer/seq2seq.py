@@ -11,7 +11,7 @@ are computed then too (`EncoderDecoder.cross_kv`), not once per token. The decod
 contiguous KV cache of infer/kv_cache.py, exactly as infer/engine.py decodes a
 decoder-only model: `EncoderView` binds those keys and values to
 `model.decode`, so `kv_cache.forward` drives it unchanged. Sampling, stop
-conditions and results are the engine's (infer/sampling.py, infer/engine.py).
+conditions and results are the engine's (infer/sampling.py, infer/requests.py).
 A row's tokens do not depend on its batch-mates; finished rows ride along masked.
 """
 

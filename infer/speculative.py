@@ -37,9 +37,9 @@ import numpy as np
 from flax import nnx
 
 from infer import kv_cache
-# engine's `stop_ids` is renamed: `stop_ids` is a local name below
 from infer.engine import Engine, unrolls
-from infer.requests import check_request, stop_ids as engine_stop_ids
+# `stop_ids` is a local name below
+from infer.requests import check_request, stop_ids as request_stop_ids
 from infer.drafts import (ACCEPT_STREAM, ModelDraft, PromptLookupDraft, padded_prompt, prefill,
                           round_key, sampling_probs)
 from infer.sampling import RowParams, SamplingParams, mark_seen
@@ -314,7 +314,7 @@ class SpeculativeDecoder:
     p = len(prompt_ids)
     tokens_S = np.zeros(self.cache_len + 2 * (self.gamma + 1), np.int32)
     tokens_S[:p] = prompt_ids
-    stop_O = engine_stop_ids([stop_ids], 1, self.vocab_size)[0]
+    stop_O = request_stop_ids([stop_ids], 1, self.vocab_size)[0]
     *out, _, _ = _lookup_rounds(
         self.graphdef, self.weights(), cache, seen_1V, jnp.asarray(tokens_S), jnp.int32(p),
         jnp.int32(params.max_tokens), jnp.asarray(stop_O), rows, draft=self.draft,

@@ -1,4 +1,4 @@
-"""OpenAI response bodies and stream chunks, built from the engine's Tokens.
+"""OpenAI response bodies and stream chunks, built from the engine's Tokens (infer/requests.py).
 
 A `Choice` gathers one choice's streamed Tokens; the same object makes the
 non-streamed body at the end and the stream chunks on the way, so the streamed
