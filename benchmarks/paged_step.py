@@ -31,7 +31,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import cpu_count, log  # noqa: E402
-from infer import kv_cache, paged, ragged  # noqa: E402
+from infer import paged, ragged  # noqa: E402
+from infer.serving import PagedEngine  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "in_place"), donate_argnames=("pool",))
@@ -57,7 +58,8 @@ def measure(model, pages: int, batch: int, steps: int, mixed: bool, context: int
   start = (np.linspace(16, context - 2, batch).astype(int) if mixed
            else np.full(batch, context - 56))
   ends = [int(s) + 1 for s in start]
-  size = kv_cache.bucket(ragged.count(ends, 16), batch * -(-width // ragged.GROUP), 8)
+  # the list's length as PagedEngine sizes it for a decode step
+  size = PagedEngine._ragged_size(ragged.count(ends, 16), PagedEngine._ragged_cap(batch, width))
   flat = jax.tree.map(jnp.asarray, ragged.build(table_BY.tolist(), ends, batch, 16, size))
   args = (jnp.ones((batch, 1), jnp.int32), jnp.asarray(start, jnp.int32),
           jnp.asarray(table_BY, jnp.int32))
