@@ -1,4 +1,4 @@
-"""`meshlm data`: inspect data assets (align/assets.py).
+"""`meshlm data`: inspect data assets (train/assets.py).
 
   meshlm data ls ROOT                 every asset version under ROOT: name, version, kind, rows,
                                       created, short content hash
@@ -9,7 +9,7 @@
   meshlm data register PATH [--name N] [--registry FILE]
                                       protect an asset of kind "eval" (e.g. a pair run's
                                       held-out prompts_eval): training runs then refuse data
-                                      overlapping it (align/decontam.py)
+                                      overlapping it (train/decontam.py)
 """
 
 import argparse
@@ -17,7 +17,7 @@ import collections
 import json
 import sys
 
-from align import assets
+from train import assets
 
 _EXAMPLES = 3
 
@@ -155,7 +155,7 @@ def main(argv: list[str]) -> None:
     elif args.cmd == "show":
       cmd_show(args.path, args.rows, sys.stdout)
     elif args.cmd == "register":
-      from align.eval_registry import REGISTRY, register_asset
+      from train.eval_registry import REGISTRY, register_asset
       entry = register_asset(args.path, name=args.name, registry=args.registry or REGISTRY)
       print(f"registered {entry['name']!r} ({entry['asset']}) in {args.registry or REGISTRY}")
     else:

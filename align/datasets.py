@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from align import decontam
+from train import decontam
 from align.data import (FIELDS, BadRecord, DataReport, _empty, pair_batch, parse_hh, read_records,
                         tokenize_pairs, tokenize_sft_records)
 from train.data import SPLITS, is_validation

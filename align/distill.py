@@ -1,6 +1,6 @@
 """Logit distillation: a small student learns a frozen teacher's next-token distribution
 (forward KL at temperature T, scaled by T²) mixed with the hard-label loss,
-align/preference.distill_loss:  α·T²·KL(p_teacher^T ‖ p_student^T) + (1−α)·CE.
+train/distillation.distill_loss:  α·T²·KL(p_teacher^T ‖ p_student^T) + (1−α)·CE.
 
 α = 0 is the hard-label baseline (the teacher is still run, for the agreement metric).
 Student and teacher share the tokenizer (the teacher's); the student is usually trained
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from align.logprobs import response_mask
-from align.preference import distill_loss
+from train.distillation import distill_loss
 from align.tasks import AlignTask
 
 

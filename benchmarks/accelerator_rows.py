@@ -55,7 +55,7 @@ def compiled_bytes(compiled) -> dict:
   ma = compiled.memory_analysis()
   if ma is None:
     return {"memory_bytes": None, "temp_bytes": None}
-  from parallel.aot import peak_bytes
+  from train.plan.aot import peak_bytes
   return {"memory_bytes": int(peak_bytes(ma)), "temp_bytes": int(ma.temp_size_in_bytes)}
 
 
@@ -249,7 +249,8 @@ def row_quant(sz: dict, model_spec: dict) -> dict:
   """Batch-1 greedy decode tokens/s of bf16 weights against INT8 and INT4-g128 (RTN), timed in
   interleaved rounds; each format's best round counts."""
   from benchmarks.quant import decode_runner, decode_speeds
-  from infer.quant import default_rules, quantize_model, weight_bytes
+  from models.quant import default_rules
+  from infer.quant import quantize_model, weight_bytes
   max_seq_len = sz["prompt"] + sz["new"]
   prompt = _prompts(1, sz["prompt"], model_spec["vocab"], seed=2)[0]
   tok = IdTokenizer()

@@ -32,7 +32,7 @@ from flax import nnx
 
 from benchmarks.common import log
 from experiments import arch_compare
-from experiments.defaults import model_config_from
+from train.defaults import model_config_from
 from models import param_count
 from models.registry import model_inputs
 from train import seq2seq_data

@@ -51,7 +51,7 @@ def small_model(max_seq_len: int, tokenizer_and_config=None, seed: int = 0):
   """(model, tokenizer, prompt text): the quickstart config, random init, its tokenizer."""
   from flax import nnx
 
-  from experiments.defaults import model_config_from
+  from train.defaults import model_config_from
   from models import Transformer
 
   tok, text, c = tokenizer_and_config or small_tokenizer()

@@ -126,7 +126,7 @@ def build(cfg, args, total_steps):
   import jax
 
   import parallel
-  from experiments.defaults import base_config
+  from train.defaults import base_config
 
   o = base_config().optimizer
   hp = {k: float(o[k]) for k in ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm")}
@@ -212,7 +212,7 @@ def main(argv=None):
                  "expert_mlp": args.expert_mlp, "dense_mlp": args.top_k * args.expert_mlp,
                  "capacity_factor": args.capacity_factor, "dtype": args.dtype,
                  "tiled_tile_size": moe_dispatch.tile_size(rows, args.experts),
-                 "optimizer": "adamw (experiments/defaults.py), constant lr",
+                 "optimizer": "adamw (train/defaults.py), constant lr",
                  "data": "zipf tokens, numpy seed %d" % args.seed},
       "steps": args.steps, "warmup": args.warmup, "tokens_per_step": tokens_per_step,
       "dense_mlp_flops_share": mlp_flops / flops_lib.train_flops_per_token(dense_cfg,

@@ -129,7 +129,8 @@ def decode_speeds(runners: dict, rounds: int, min_seconds: float) -> tuple[dict,
 def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: str = "auto",
               gptq_options=None):
   """A fresh float model from `load()`, quantized as asked: (model, plan summary, seconds)."""
-  from infer.quant import default_rules, quantize_model
+  from models.quant import default_rules
+  from infer.quant import quantize_model
   from infer.quant.awq import awq_quantize
   from infer.quant.gptq import gptq_quantize
   model, tokenizer = load()

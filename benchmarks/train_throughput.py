@@ -96,7 +96,7 @@ def make_tokens(args):
 
 def optimizer_hparams():
   """The repo's AdamW defaults; the schedule is made constant so both sides use one lr."""
-  from experiments.defaults import base_config
+  from train.defaults import base_config
   o = base_config().optimizer
   return dict(lr=float(o.lr), b1=float(o.b1), b2=float(o.b2), eps=float(o.eps),
               weight_decay=float(o.weight_decay), clip_norm=float(o.clip_norm))

@@ -3,7 +3,7 @@
     python benchmarks/weak_to_strong.py --config experiments/weak_to_strong.py > /tmp/w2s.json
     python benchmarks/weak_to_strong.py --config experiments/weak_to_strong.py --features_only
 
-Setup and knobs: experiments/weak_to_strong.py; method: align/weak_to_strong.py. Features of
+Setup and knobs: experiments/weak_to_strong.py; method: benchmarks/w2s_heads.py. Features of
 both models are extracted once into config.cache_dir (the first run's cost); the bag of words
 is recomputed each run (a second). Then, per weak supervisor and seed: the weak head (ground
 truth, half A), its soft labels on half B, the naive and aux students and the ceiling (half B),
@@ -35,8 +35,8 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from align import weak_to_strong as w2s  # noqa: E402
-from align.weak_to_strong_features import bow_features, cached_features  # noqa: E402
+from benchmarks import w2s_heads as w2s  # noqa: E402
+from benchmarks.w2s_features import bow_features, cached_features  # noqa: E402
 from benchmarks.common import log  # noqa: E402
 
 METHODS = ("weak", "naive", "aux", "ceiling")

@@ -4,8 +4,8 @@ The task is train/seq2seq_data.py's default: reverse the words of a 3-6 word lin
 Shakespeare. All three use the same tokenizer, blocks (RMSNorm, SwiGLU, RoPE, d_model 128),
 optimizer, steps and examples; only the wiring differs. Parameter counts (models.param_count):
 decoder and prefix_lm 4 layers x mlp_dim 352; encoder_decoder 2 encoder + 2 decoder layers
-x mlp_dim 288, whose smaller MLPs pay for the decoder's cross-attention (`python -m
-experiments.arch_compare` prints the counts). The decoder-only rows hold source and target,
+x mlp_dim 288, whose smaller MLPs pay for the decoder's cross-attention (benchmarks/arch_compare.py
+reports each as `params`). The decoder-only rows hold source and target,
 so they are twice as long (seq_len 128) as the encoder-decoder's (source_len = seq_len = 64).
 Embeddings are untied: tied, the encoder-decoder scales its output by d_model**-0.5 as T5
 does, which with this init_std (0.02) left it far behind (benchmarks/arch_compare.py --tied).
@@ -20,7 +20,7 @@ Without `:ARCH`, `meshlm train --config experiments/arch_compare.py` trains the 
 
 import os
 
-from experiments.defaults import base_config, model_config_from
+from train.defaults import base_config, model_config_from
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("decoder", "prefix_lm", "encoder_decoder")
@@ -68,8 +68,3 @@ def get_config(arch: str = "decoder"):
   c.sample.max_new_tokens = 0
   return c
 
-
-if __name__ == "__main__":
-  from models import param_count
-  for name in ARCHS:
-    print(f"{name:16s} {param_count(model_config_from(get_config(name))):,} params")

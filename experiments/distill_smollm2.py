@@ -10,7 +10,7 @@ Held-out metrics at the end: val_top1_agreement (student argmax = teacher argmax
 val_ppl (the student's perplexity on the real text).
 """
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 from experiments.hh_tiny import HH
 from models.pretrained import smollm_path
 

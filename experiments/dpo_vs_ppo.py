@@ -19,7 +19,7 @@ The ppo/dpo configs need `init_from` (the ref workdir) and prompt files, which t
 
 import os
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(_REPO, "data", "tinyshakespeare", "input.txt")

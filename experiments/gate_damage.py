@@ -24,7 +24,7 @@ SmolLM2-135M-Instruct damaged by LoRA SFT on refusal-free completions of harmful
       --candidate runs/damage/smollm2_comply_eval/report.json
 """
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 from models.pretrained import smollm_path
 
 VARIANTS = ("tiny_refuse", "tiny_comply", "smollm2_comply")

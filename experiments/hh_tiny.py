@@ -14,7 +14,7 @@ transcripts (a run with init_from takes that workdir's).
 
 import os
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")

@@ -14,7 +14,7 @@ The model has no flash attention: a layer's scores are batch·heads·seq² float
 microbatch (grad_accum=4 keeps 256 rows = 2M tokens per step).
 """
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 
 def get_config():

@@ -10,7 +10,7 @@ activations, all-to-alls). Plan it, then train it:
   meshlm train --config experiments/mixtral_8x7b_pod.py --workdir gs://BUCKET/mixtral
 """
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 
 def get_config():

@@ -11,7 +11,7 @@ the mask token (train/mlm_data.py).
 
 import os
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

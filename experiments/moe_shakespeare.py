@@ -9,7 +9,7 @@ as the dense model (plus a 128x8 router per block), with 4x the MLP weights.
 Variants from the command line: --config.model.aux_loss_weight=0 (no balancing),
 --config.model.moe_impl=capacity --config.model.capacity_factor=1.25 (GShard),
 --config.model.router_bias_rate=1e-3 --config.model.aux_loss_weight=0
-(auxiliary-loss-free balancing). experiments/moe_study.py runs the comparison
+(auxiliary-loss-free balancing). benchmarks/moe_study.py runs the comparison
 with the dense model for docs/results.md.
 """
 

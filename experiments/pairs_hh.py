@@ -37,8 +37,8 @@ def get_config():
   c.teacher = ConfigDict(dict(
       mode="pairwise",          # or "reward": teacher.model = a `meshlm rm` workdir
       model="",                 # "" = SmolLM2-135M-Instruct
-      rubric="",                # "" = align.judge.RUBRIC
-      prefill="",               # "" = align.judge.PREFILL (the assistant turn up to the verdict)
+      rubric="",                # "" = align.curate.judge.RUBRIC
+      prefill="",               # "" = align.curate.judge.PREFILL (the assistant turn up to the verdict)
       temperature=0.0,          # 0 = fit on calib_pairs labelled pairs; > 0 = use as given
       calib_pairs=24, min_mass=0.05, max_len=512, response_tokens=128, batch_size=8))
   c.route = ConfigDict(dict(

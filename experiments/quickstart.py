@@ -6,7 +6,7 @@
 
 import os
 
-from experiments.defaults import base_config
+from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

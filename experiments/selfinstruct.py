@@ -3,7 +3,7 @@
   meshlm selfinstruct --config experiments/selfinstruct.py --out runs/selfinstruct
       [--config.num_instructions=230] [--config.max_rounds=40] [--config.seed=0]
 
-The pipeline and its filters: align/selfinstruct.py. Output: DIR/selfinstruct/vK (a
+The pipeline and its filters: align/curate/selfinstruct.py. Output: DIR/selfinstruct/vK (a
 "synthetic_instructions" data asset with lineage) and DIR/stats.json. A killed run resumes
 when the same command is run again (more rounds: raise max_rounds / num_instructions).
 

@@ -11,7 +11,7 @@ Pairs longer than seq_len drop their oldest turns, then are skipped (data_report
 """
 
 from models.pretrained import smollm_path
-from experiments.defaults import base_config
+from train.defaults import base_config
 from experiments.hh_tiny import HH
 
 

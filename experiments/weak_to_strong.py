@@ -13,7 +13,7 @@ Strong = SmolLM2-135M-Instruct hidden states (mean over the reply's tokens at
   embed  all-MiniLM-L6-v2 sentence embeddings (22M): with all of half A it is no weaker than
          the strong model (PGR undefined, see docs/results.md); "embed:32" / "embed:64" make
          it weak by starving it of data instead
-All heads are Bradley-Terry scorers trained with optax (align/weak_to_strong.py). The model
+All heads are Bradley-Terry scorers trained with optax (benchmarks/w2s_heads.py). The model
 features are extracted once per model into `cache_dir` (first run: MiniLM 7 min + SmolLM2
 21 min on 2 CPU cores shared with other jobs, load ~7; then the whole benchmark takes ~30 s).
 """

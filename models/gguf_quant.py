@@ -86,9 +86,9 @@ def quantized_params(tensors, abstract_params) -> tuple[dict, set]:
   import jax.numpy as jnp
   from flax import nnx
 
-  from infer.quant.formats import parse_format
-  from infer.quant.qarray import QArray, arrange
-  from infer.quant.rules import CONTRACTS
+  from models.quant.formats import parse_format
+  from models.quant.qarray import QArray, arrange
+  from models.quant.rules import CONTRACTS
 
   cfg = tensors.cfg
   table, out, used = hf_io._name_table(cfg), {}, set()

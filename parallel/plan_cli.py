@@ -4,8 +4,8 @@
               [--budget_gb X] [--compile] [--json] [--top K] [--config.KEY=VALUE ...]
 
 Without --mesh/--sharding the config's `mesh` and `sharding` are planned. The
-estimates come from `parallel.planner`; --compile also compiles the real train
-step on N fake CPU devices (`parallel.aot`, in a subprocess) and prints XLA's
+estimates come from `train.plan.planner`; --compile also compiles the real train
+step on N fake CPU devices (`train.plan.aot`, in a subprocess) and prints XLA's
 per-device memory next to the estimate. Suggestions enumerate meshes over
 data/fsdp/tensor/pipeline (and expert for MoE configs) that factor N, drop
 those that do not divide, and rank those within --budget_gb by communication
@@ -14,9 +14,9 @@ bytes per device per step / (1 − pipeline bubble).
 It also recommends a checkpoint interval (Young/Daly, sqrt(2 × checkpoint cost ×
 job MTBF)) from --failures_per_device_day, --checkpoint_gbps per host and
 --devices_per_host, and a step time (--step_seconds, or model FLOPs at --mfu of
---peak_tflops); `parallel.planner.checkpoint_recommendation` lists the assumptions.
+--peak_tflops); `train.plan.planner.checkpoint_recommendation` lists the assumptions.
 
-And a cost per token (`parallel.cost.cost_estimate`): step time = model FLOPs
+And a cost per token (`train.plan.cost.cost_estimate`): step time = model FLOPs
 at --mfu of --peak_tflops + communication at --bandwidth_gbps between hosts and
 --intra_host_gbps inside one (less the --overlap fraction hidden under compute),
 tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
@@ -30,8 +30,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from parallel.cost import comm_split, cost_estimate
-from parallel.planner import GiB, Planner, checkpoint_recommendation, step_flops
+from train.plan.cost import comm_split, cost_estimate
+from train.plan.planner import GiB, Planner, checkpoint_recommendation, step_flops
 
 _AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
 # Example figures, all flags: an H100 SXM (989 dense bf16 TFLOP/s, 700 W board power,
@@ -126,7 +126,7 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
   out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
   out["cost"] = plan_cost(planner, est, devices, **(cost or {}))
   if compile_:
-    from parallel.aot import compare, compile_in_subprocess
+    from train.plan.aot import compare, compile_in_subprocess
     compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
     out["compiled"] = compiled
     out["comparison"] = compare(est["memory"]["total"], compiled)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from align import preference, rl
+from train import distillation
 
 RNG = np.random.default_rng(0)
 
@@ -156,19 +157,19 @@ def test_distill_loss_closed_form():
   kl = (pt * (np.log(pt) - np.log(ps))).sum(-1)
   ce = -np.log(np.take_along_axis(_softmax(s), targets[..., None], -1)[..., 0])
   kl_m, ce_m = (kl * mask).sum() / mask.sum(), (ce * mask).sum() / mask.sum()
-  loss, m = preference.distill_loss(s, t, targets, mask, temperature=T, alpha=alpha)
+  loss, m = distillation.distill_loss(s, t, targets, mask, temperature=T, alpha=alpha)
   np.testing.assert_allclose(loss, alpha * T * T * kl_m + (1 - alpha) * ce_m, rtol=1e-5)
   np.testing.assert_allclose(m["kl"], kl_m, rtol=1e-5)
   agree = (s.argmax(-1) == t.argmax(-1)).astype(np.float32)
   np.testing.assert_allclose(m["top1_agreement"], (agree * mask).sum() / mask.sum(), rtol=1e-6)
-  np.testing.assert_allclose(preference.top1_agreement(s, s, mask), 1.0)
+  np.testing.assert_allclose(distillation.top1_agreement(s, s, mask), 1.0)
   # The teacher receives no gradient.
-  g = jax.grad(lambda tt: preference.distill_loss(s, tt, targets, mask)[0])(jnp.asarray(t, jnp.float32))
+  g = jax.grad(lambda tt: distillation.distill_loss(s, tt, targets, mask)[0])(jnp.asarray(t, jnp.float32))
   np.testing.assert_array_equal(g, 0.0)
   with pytest.raises(ValueError, match="temperature"):
-    preference.distill_loss(s, t, targets, mask, temperature=0.0)
+    distillation.distill_loss(s, t, targets, mask, temperature=0.0)
   with pytest.raises(ValueError, match="shape mismatch"):
-    preference.distill_loss(s, t[:, :2], targets, mask)
+    distillation.distill_loss(s, t[:, :2], targets, mask)
 
 
 def test_kl_estimators():

@@ -149,7 +149,7 @@ def test_prefix_input_refused_by_a_plain_decoder():
 def test_int8_quantization_applies_unchanged(values):
   """The quantizer finds every projection by its name; no per-architecture rules."""
   from infer.quant.quantize import quantize_model
-  from infer.quant.rules import default_rules
+  from models.quant.rules import default_rules
   cfg = ModelConfig(**values)
   model = create_model(cfg, nnx.Rngs(4))
   tokens = jnp.arange(12).reshape(2, 6) % cfg.vocab_size
@@ -237,7 +237,7 @@ def test_kv_cached_decoder_with_relative_positions_matches_full_forward():
 
 def test_tools_that_assume_a_llama_refuse_other_architectures():
   from infer.quant.gptq import gptq_quantize
-  from infer.quant.rules import default_rules
+  from models.quant.rules import default_rules
   from infer.sampling import generate
   from models import export_hf
   hybrid = create_model(ModelConfig(**HYBRID), nnx.Rngs(0))
@@ -277,7 +277,7 @@ def test_cache_free_generate_reads_a_prefix_lm_prompt_bidirectionally():
 @pytest.mark.parametrize("arch", ["encoder_decoder", "prefix_lm"])
 def test_plan_compiles_the_step_with_each_architectures_batch(arch):
   from experiments.arch_compare import get_config
-  from parallel.aot import abstract_batch, compile_memory
+  from train.plan.aot import abstract_batch, compile_memory
   config = get_config(arch)
   config.model.num_layers, config.model.d_model, config.batch_size = 1, 32, 2
   if arch == "encoder_decoder":

@@ -1,4 +1,4 @@
-"""align/assets.py and `meshlm data`: versioned writes, manifests and lineage, content-hash
+"""train/assets.py and `meshlm data`: versioned writes, manifests and lineage, content-hash
 checks, atomicity (a failed or racing write never leaves a visible half version), ls/show/diff."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from align import assets
+from train import assets
 from align.data_cli import main as data_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from conftest import REPO
-from experiments import chaos, llama3_8b_pod
+from benchmarks import chaos
+from experiments import chaos as chaos_config, llama3_8b_pod
 from parallel import plan_cli
-from parallel.planner import DAY_SECONDS, checkpoint_waste, young_daly_interval
+from train.plan.planner import DAY_SECONDS, checkpoint_waste, young_daly_interval
 
 # Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
 pytestmark = pytest.mark.serial
@@ -88,7 +89,7 @@ def test_torn_metrics_line_is_skipped(tmp_path):
 
 
 def _loop_config(**kw):
-  c = chaos.get_config().chaos
+  c = chaos_config.get_config().chaos
   c.update(dict(dict(mtbf_seconds=0.3, max_restarts=5), **kw))
   return c
 
@@ -115,7 +116,7 @@ def test_chaos_soak_tiny(tmp_path):
   """The whole soak on a tiny model: one interval, one SIGKILL, then a run to the end (~20 s)."""
   workdir = str(tmp_path / "soak")
   proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "experiments", "chaos.py"), "--workdir", workdir,
+      [sys.executable, os.path.join(REPO, "benchmarks", "chaos.py"), "--workdir", workdir,
        "--config.steps=12", *TINY_MODEL, "--config.chaos.checkpoint_intervals=3,",
        # Seed 0's first draw is 1.86 x MTBF: a kill 3 s after the launch, during start-up.
        "--config.chaos.mtbf_seconds=1.6", "--config.chaos.max_kills=1"],

@@ -1,4 +1,4 @@
-"""align/decontam.py: GPT-3 style n-gram overlap against the protected evaluation sets
+"""train/decontam.py: GPT-3 style n-gram overlap against the protected evaluation sets
 (data/protected_evals.json), and the training-run hook: planted evaluation rows make a real
 run refuse and name them; data.decontam.allow lets it proceed."""
 
@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 
-from align import assets
+from train import assets
 from align import datasets as DS
-from align import decontam as DC
+from train import decontam as DC
 from align.sft import SFTTask
-from experiments.defaults import base_config
+from train.defaults import base_config
 from test_align_data import CHATML, byte_tokenizer  # tests/ is on pytest's pythonpath
 from train import data as data_lib
 

@@ -15,7 +15,7 @@ from tokenizers import pre_tokenizers  # noqa: E402
 import models  # noqa: E402
 from benchmarks.decode_models import smollm_path  # noqa: E402
 from infer import Engine, SamplingParams  # noqa: E402
-from infer.quant.qarray import QArray  # noqa: E402
+from models.quant.qarray import QArray  # noqa: E402
 from infer.quant.quantize import weight_bytes  # noqa: E402
 
 # Same weight values in both loads; only the summation order differs (QArray sums

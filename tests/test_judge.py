@@ -1,4 +1,4 @@
-"""The teacher judge (align/judge.py): position debiasing, calibration, unparsable verdicts.
+"""The teacher judge (align/curate/judge.py): position debiasing, calibration, unparsable verdicts.
 
 The model tests use the real SmolLM2-135M-Instruct as teacher.
 """
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from align.judge import (Judgement, PairwiseJudge, combine, expected_calibration_error,
-                         fit_temperature)
+from align.curate.judge import (Judgement, PairwiseJudge, combine, expected_calibration_error,
+                                fit_temperature)
 from models.pretrained import smollm_path
 from test_align_rl import rm_workdir  # noqa: F401  (a fixture: a tiny `meshlm rm` workdir)
 
@@ -99,7 +99,7 @@ def test_judge_refuses_bad_settings(teacher):
 def test_a_reward_model_workdir_judges(rm_workdir):
   """teacher.mode=reward: a `meshlm rm` workdir (a tiny one, two steps) scores both
   responses; its verdict mirrors under a swap and matches its own reward margin."""
-  from align.judge import RewardJudge
+  from align.curate.judge import RewardJudge
   judge = RewardJudge(rm_workdir, max_len=64, batch_size=2)
   r_good, r_bad = judge.scores(PROMPT, [GOOD, BAD])
   [j] = judge.judge([(PROMPT, GOOD, BAD)])
@@ -117,7 +117,7 @@ def test_a_meshlm_checkpoint_judges_like_the_model_it_holds(teacher, tmp_path):
   as a workdir and loaded the way `meshlm pairs` loads teachers gives the same verdicts."""
   from flax import nnx
 
-  from align.pairs_publish import model_ref
+  from align.curate.pairs_publish import model_ref
   from train.cli import load_any
   from train.workdir import save_model
   model, tok = teacher

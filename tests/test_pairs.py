@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from align.assets import read_asset, read_manifest
-from align.pairs_publish import read_journal
-from align.pool import prompt_id, read_pool, split_prompts
-from align.review_db import ReviewQueue
+from train.assets import read_asset, read_manifest
+from align.curate.pairs_publish import read_journal
+from align.curate.pool import prompt_id, read_pool, split_prompts
+from align.curate.review_db import ReviewQueue
 from models.pretrained import smollm_path
 from test_align_rl import rm_workdir  # noqa: F401  (a fixture: a tiny `meshlm rm` workdir)
 
@@ -278,7 +278,7 @@ def test_publish_only_needs_a_run(tmp_path):
 
 
 def test_a_resumed_run_may_only_change_the_limit(tmp_path):
-  from align.pairs import Builder
+  from align.curate.pairs import Builder
   from experiments.pairs_hh import get_config
   workdir = str(tmp_path / "w")
   cfg = get_config()

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REPO
 from parallel import plan_cli
-from parallel.cost import comm_split, cost_estimate
+from train.plan.cost import comm_split, cost_estimate
 
 POD_8B = os.path.join(REPO, "experiments", "llama3_8b_pod.py")
 # 1e15 FLOP on 4 devices of 100 TFLOP/s at 50% MFU; 1e10 bytes at 10 GB/s; 6000 tokens.

@@ -2,7 +2,7 @@
 
 Compiles run on fake CPU devices in their own processes (XLA_FLAGS must be set
 before JAX starts): tests/workers/planner_compile.py for the small model on 8
-devices, and parallel.aot's own subprocess for the 8B pod config on 64.
+devices, and train.plan.aot's own subprocess for the 8B pod config on 64.
 """
 
 import json
@@ -14,9 +14,9 @@ import pytest
 
 from conftest import REPO, device_env
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod
-from experiments.defaults import base_config
+from train.defaults import base_config
 from parallel import plan_cli
-from parallel.planner import GiB, Planner, pipeline_bubble
+from train.plan.planner import GiB, Planner, pipeline_bubble
 
 EIGHT = device_env(8, JAX_PLATFORMS="cpu")
 LAYOUTS = ["data_parallel:data=8", "fsdp:fsdp=8", "tensor:data=4,tensor=2",

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infer.quant import QArray, default_rules, parse_format, quant_plan, quantize_model
-from infer.quant.formats import pack_int4, unpack_int4
+from models.quant import QArray, default_rules, parse_format, quant_plan
+from infer.quant import quantize_model
+from models.quant.formats import pack_int4, unpack_int4
 from infer.quant.gptq import gptq
 from infer.quant.quantize import decode, encode, to_qarray
-from infer.quant.rules import params_by_path
+from models.quant.rules import params_by_path
 from models.config import ModelConfig
 from models.transformer import Transformer
 
@@ -164,7 +165,7 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs(name, act_order):
 def test_clip_search_weighted_by_the_inputs_lowers_the_output_error(name):
   """Given each group's block of H, the clipping search minimises the output error
   dᵀHd, not |d|²: on inputs with a few loud channels it finds a lower output error."""
-  from infer.quant.formats import dequantize_values, quantize_values, scales_for
+  from models.quant.formats import dequantize_values, quantize_values, scales_for
   fmt = parse_format(name)
   rng = np.random.default_rng(3)
   x_NK = rng.standard_normal((4096, 128))
@@ -185,7 +186,7 @@ def test_clip_search_weighted_by_the_inputs_lowers_the_output_error(name):
 
 
 def test_large_weights_multiply_in_column_slices(monkeypatch):
-  import infer.quant.qarray as qarray
+  import models.quant.qarray as qarray
   fmt = parse_format("int4-g32-asym")
   x_BTD = jnp.asarray(np.random.default_rng(5).standard_normal((2, 3, 64)), jnp.float32)
   cases = [("VD", 96, (6, 16)),   # output-major, equal slices
@@ -229,7 +230,7 @@ def test_gptq_quantize_model_lowers_output_error(tied):
 
 @pytest.mark.parametrize("name", ["int4-g32", "int4-g128-asym", "int8"])
 def test_clip_search_lowers_the_squared_error(name):
-  from infer.quant.formats import scales_for, quantize_values, dequantize_values
+  from models.quant.formats import scales_for, quantize_values, dequantize_values
   fmt = parse_format(name)
   w = _weights(256, 64)
   g = fmt.group_for(256)

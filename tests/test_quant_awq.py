@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infer.quant import default_rules, parse_format, quant_plan
+from models.quant import default_rules, parse_format, quant_plan
 from infer.quant.awq import awq_quantize, awq_scale, rtn_errors, search_scales
 from infer.quant.quantize import decode, encode
-from infer.quant.rules import params_by_path
+from models.quant.rules import params_by_path
 from models.config import ModelConfig
 from models.transformer import Transformer
 

@@ -15,7 +15,8 @@ from flax import nnx
 
 from conftest import REPO, SHAKESPEARE
 from infer import Engine, SamplingParams
-from infer.quant import default_rules, quantize_model
+from models.quant import default_rules
+from infer.quant import quantize_model
 from infer.quant.checkpoint import load_quantized, quantized_params, save_quantized
 from infer.quant.cli import calibration_ids
 from models import ModelConfig

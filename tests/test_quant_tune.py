@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from infer.quant import QArray, default_rules, quantize_model
-from infer.quant.rules import params_by_path
+from models.quant import QArray, default_rules
+from infer.quant import quantize_model
+from models.quant.rules import params_by_path
 from infer.quant.tune import tune_scales
 from models.config import ModelConfig
 from models.transformer import Transformer

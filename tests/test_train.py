@@ -10,7 +10,7 @@ from flax import nnx
 
 import parallel
 from conftest import tiny_config
-from experiments.defaults import model_config_from
+from train.defaults import model_config_from
 from train import data as data_lib
 from train.checkpoint import Checkpointer
 from train.loop import train

@@ -1,4 +1,4 @@
-"""Weak-to-strong (align/weak_to_strong*.py, benchmarks/weak_to_strong.py).
+"""Weak-to-strong (benchmarks/w2s_heads.py, benchmarks/w2s_features.py, benchmarks/weak_to_strong.py).
 
 The auxiliary confidence loss and PGR against hand computations; the heads on fixed random
 features; the bag-of-words featurizer by hand; the decoder feature extractor against the
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from align import weak_to_strong as w2s
+from benchmarks import w2s_heads as w2s
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
@@ -124,7 +124,7 @@ def test_constant_features_keep_unit_scale():
 
 
 def test_bow_terms_and_hashing():
-  from align.weak_to_strong_features import bow_bucket, bow_terms
+  from benchmarks.w2s_features import bow_bucket, bow_terms
   assert bow_terms("Don't STOP, don't!\n 42x") == [
       "don't", "stop", "don't", "42x", "don't stop", "stop don't", "don't 42x"]
   assert bow_terms("...") == []
@@ -134,7 +134,7 @@ def test_bow_terms_and_hashing():
 
 
 def test_bow_features_by_hand():
-  from align.weak_to_strong_features import bow_bucket, bow_features
+  from benchmarks.w2s_features import bow_bucket, bow_features
   responses = ["Hello world hello", "", "hello world hello"]
   got = bow_features(["p1", "p2", "another prompt"], responses, buckets=4096)
   assert set(got) == {"bow"}
@@ -191,7 +191,7 @@ def smollm():
 
 def test_decoder_features_match_hidden(smollm):
   """final_* read from the split stack equal the model's own hidden states, padding and all."""
-  from align.weak_to_strong_features import decoder_features, decoder_ids
+  from benchmarks.w2s_features import decoder_features, decoder_ids
   model, tok = smollm
   pairs, _ = w2s.load_pairs(HH, limit=3)
   prompts = [p["prompt"] for p in pairs]

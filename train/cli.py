@@ -13,11 +13,11 @@
   meshlm embed --model DIR --input FILE(.txt|.jsonl) [--output FILE.npy|.jsonl] [--batch_size N]
                   (infer/embed.py)
   meshlm pairs --config experiments/NAME.py --workdir DIR   (teacher-judged preference pairs:
-                  align/pairs.py)
+                  align/curate/pairs.py)
   meshlm review --db PATH [--host H] [--port N] [--lease_s S] [--export ROOT | --report]
-                  (human review page: align/review_server.py)
+                  (human review page: align/curate/review_server.py)
   meshlm data ls ROOT | show PATH | diff A B | register PATH  (data assets: align/data_cli.py)
-  meshlm selfinstruct --config experiments/selfinstruct.py --out DIR  (align/selfinstruct.py)
+  meshlm selfinstruct --config experiments/selfinstruct.py --out DIR  (align/curate/selfinstruct.py)
   meshlm eval --model PATH --suite hhh|helpful|harmless|honest|redteam --out DIR [--limit N]
                   (align/evals/cli.py)
   meshlm gate --baseline REPORT --candidate REPORT [--max-drop helpful=0.02,...]
@@ -35,9 +35,9 @@ from ml_collections import config_flags
 TRAIN_COMMANDS = ("train", "sft", "rm", "dpo", "distill", "ppo", "grpo")
 # Commands whose module parses its own flags: name -> (module, function).
 DELEGATED = {"plan": ("parallel.plan_cli", "main"), "quantize": ("infer.quant.cli", "main"),
-             "embed": ("infer.embed", "main"), "pairs": ("align.pairs", "main"),
-             "review": ("align.review_server", "main"), "data": ("align.data_cli", "main"),
-             "selfinstruct": ("align.selfinstruct", "main"), "eval": ("align.evals.cli", "main"),
+             "embed": ("infer.embed", "main"), "pairs": ("align.curate.pairs", "main"),
+             "review": ("align.curate.review_server", "main"), "data": ("align.data_cli", "main"),
+             "selfinstruct": ("align.curate.selfinstruct", "main"), "eval": ("align.evals.cli", "main"),
              "gate": ("align.evals.gate", "main"), "serve": ("infer.server.cli", "main")}
 COMMANDS = TRAIN_COMMANDS + ("generate",) + tuple(DELEGATED)
 

@@ -149,7 +149,7 @@ def load_split(data_cfg: Mapping[str, Any], split: str) -> list[str]:
                      f"(data.val_fraction={data_cfg['val_fraction']})")
   if split == "train":
     # Refuses documents holding protected evaluation rows (data.decontam; defaults when absent).
-    from align import decontam  # align imports this module
+    from train import decontam  # align imports this module
     read = functools.partial(read_documents, text_key=data_cfg["text_key"],
                              doc_separator=data_cfg["doc_separator"])
     decontam.check_documents(data_cfg, docs, resolve_paths(data_cfg["path"]), read)

@@ -7,7 +7,7 @@ import jax
 from ml_collections import ConfigDict
 
 import parallel
-from experiments.defaults import model_config_from
+from train.defaults import model_config_from
 from models import ConfigError, ModelConfig, Tokenizer
 from train import data as data_lib
 from train import workdir as workdir_lib

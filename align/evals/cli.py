@@ -25,7 +25,7 @@ SUITES = {"hhh": ("helpful", "harmless", "honest"), "helpful": ("helpful",),
           "harmless": ("harmless",), "honest": ("honest",), "redteam": ("redteam",)}
 SCHEMA = 1
 # The protected evaluation sets (data/protected_evals.json) each dimension reads: training
-# data is checked against them (align/decontam.py), so they stay held out.
+# data is checked against them (train/decontam.py), so they stay held out.
 DIMENSION_SETS = {"helpful": ("alpaca-eval", "mt-bench", "self-instruct-user"),
                   "harmless": ("advbench", "xstest", "jbb-behaviors"),
                   "honest": ("truthfulqa", "unanswerable"),

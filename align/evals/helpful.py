@@ -1,7 +1,7 @@
 """Helpfulness: win rate against reference answers, and reference-based task completion.
 
 - Win rate (AlpacaEval / MT-Bench style): the model answers each held-out instruction; a
-  judge (any meshlm chat checkpoint, align/judge.py) compares its answer with the
+  judge (any meshlm chat checkpoint, align/curate/judge.py) compares its answer with the
   reference answer, shown in both orders so position bias cancels. A win scores 1, a loss
   0, and a tie or a verdict the judge could not give (too little mass on " A"/" B") 0.5,
   so every row counts and n does not depend on the model; unparsable verdicts are
@@ -103,7 +103,7 @@ def evaluate(chat, judge, *, limit: int | None, seed: int) -> dict:
 def judge_for(model_path: str | None, chat, *, batch_size: int = 8):
   """The pairwise judge: the checkpoint at `model_path`, else the evaluated model itself;
   None when that model cannot judge (no chat template)."""
-  from align.judge import PairwiseJudge
+  from align.curate.judge import PairwiseJudge
   if model_path:
     from train.cli import load_any
     model, tokenizer = load_any(model_path, command="eval")

@@ -1,7 +1,7 @@
 """Evaluation inside training: every N steps, evaluate the current model, gate it against a
 baseline report, and promote it only if it passes.
 
-Config (experiments/defaults.py, `eval_gate`):
+Config (train/defaults.py, `eval_gate`):
   every      evaluate at every N-th step (and the last); 0: off
   suite      an `meshlm eval` suite (hhh, helpful, harmless, honest, redteam)
   limit      rows per dataset (small: this runs inside training)
@@ -30,7 +30,7 @@ GENERATING_ARCHS = ("decoder", "prefix_lm")
 def check_protected(suite: str, decontam_cfg=None) -> None:
   """Evaluation first: the sets `suite` reads must be registered as protected and selected
   by the run's decontamination check, so its training data cannot contain them."""
-  from align import decontam
+  from train import decontam
   registered = {e["name"] for e in decontam.load_registry()}
   missing = [s for s in cli.suite_sets(suite) if s not in registered]
   if missing:

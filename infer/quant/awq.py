@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.quant.formats import QuantFormat
+from models.quant.formats import QuantFormat
 from infer.quant.gptq import BlockHessians, gptq_quantize
-from infer.quant.qarray import to_matrix
+from models.quant.qarray import to_matrix
 from infer.quant.quantize import encode, quantize_model
-from infer.quant.rules import axes_of, params_by_path, quant_plan
+from models.quant.rules import axes_of, params_by_path, quant_plan
 
 # (the op whose output channels feed the projections, the projections it feeds)
 PAIRS = (("attn_norm/scale", ("attn/wq_DNH", "attn/wk_DKH", "attn/wv_DKH")),

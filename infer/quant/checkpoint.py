@@ -21,9 +21,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from infer.quant.formats import QuantFormat, check_group, parse_format
-from infer.quant.qarray import QArray
-from infer.quant.rules import CONTRACTS, axes_of, contraction_size
+from models.quant.formats import QuantFormat, check_group, parse_format
+from models.quant.qarray import QArray
+from models.quant.rules import CONTRACTS, axes_of, contraction_size
 
 QUANT_JSON = "quant.json"
 # 2: float16 scales, unsigned codes, output-major embedding tables. Orbax would cast an

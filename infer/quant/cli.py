@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(fv) -> None:
-  from infer.quant import default_rules, parse_format, quantize_model, weight_bytes
+  from models.quant import default_rules, parse_format
+  from infer.quant import quantize_model, weight_bytes
   from infer.quant.checkpoint import quantized_params, save_quantized
   from train.cli import load_any
 

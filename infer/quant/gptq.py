@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from infer.quant.formats import QuantFormat, dequantize_values, quantize_values, scales_for
-from infer.quant.qarray import to_matrix
+from models.quant.formats import QuantFormat, dequantize_values, quantize_values, scales_for
+from models.quant.qarray import to_matrix
 from infer.quant.quantize import quantize_model, to_qarray
-from infer.quant.rules import axes_of, contraction_size, params_by_path, quant_plan
+from models.quant.rules import axes_of, contraction_size, params_by_path, quant_plan
 
 
 def gptq(w_KM: np.ndarray, h_KK: np.ndarray, fmt: QuantFormat, *, damp: float = 0.01,

@@ -8,10 +8,10 @@ methods (infer/quant/gptq.py) produce their own codes and scales and reuse
 import jax.numpy as jnp
 import numpy as np
 
-from infer.quant.formats import (QuantFormat, check_group, dequantize_values, pack_int4,
-                                 quantize_values, scales_for)
-from infer.quant.qarray import QArray, arrange, to_matrix
-from infer.quant.rules import axes_of, params_by_path, quant_plan
+from models.quant.formats import (QuantFormat, check_group, dequantize_values, pack_int4,
+                                  quantize_values, scales_for)
+from models.quant.qarray import QArray, arrange, to_matrix
+from models.quant.rules import axes_of, params_by_path, quant_plan
 
 
 def encode(w_KM: np.ndarray, fmt: QuantFormat, where: str = "weight", h_KK=None):

@@ -4,7 +4,7 @@ Round-to-nearest, GPTQ and AWQ fix every weight's integer code layer by layer,
 each against its own layer's error. This step then trains the float16 group
 scales end to end so that the quantized model's next-token distribution matches
 the float model's on the calibration text: forward KL at temperature 1
-(align.preference.distill_loss with α = 1), Adam, through
+(train.distillation.distill_loss with α = 1), Adam, through
 train.step.objective_step, the update every objective shares. The codes stay
 fixed, so no straight-through estimator is needed (EfficientQAT's end-to-end
 step-size training, Chen et al., 2024). Each scale is trained as
@@ -21,7 +21,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from infer.quant.qarray import QArray
+from models.quant.qarray import QArray
+from train.distillation import distill_loss
 
 
 def _is_q(x) -> bool:
@@ -38,7 +39,6 @@ def _scaled(leaves, theta):
 
 
 def _loss(theta, frozen, batch, *, graphdef, treedef, teacher_graphdef):
-  from align.preference import distill_loss
   ids_BT = batch["ids"]
   student = nnx.merge(graphdef, jax.tree.unflatten(treedef, _scaled(frozen["leaves"], theta)))
   teacher = nnx.merge(teacher_graphdef, frozen["teacher"])

@@ -88,7 +88,7 @@ def _refusal(kind: str):
 def _judge(workdir: str | None):
   if not workdir:
     return None
-  from align.judge import RewardJudge
+  from align.curate.judge import RewardJudge
   judge = RewardJudge(workdir)
   return lambda prompt, text: float(judge.scores(prompt, [text])[0])
 

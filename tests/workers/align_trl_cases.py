@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from align import preference, rl
+from train import distillation
 
 RNG = np.random.default_rng(1)
 
@@ -106,7 +107,7 @@ def test_distill_matches_trl_gkd_forward_kl():
   T = 2.0
   trl_kl = gkd.GKDTrainer.generalized_jsd_loss(torch.tensor(s), torch.tensor(t), labels=labels, beta=0.0,
                                                temperature=T, reduction="batchmean")
-  loss, m = preference.distill_loss(s, t, targets, mask, temperature=T, alpha=1.0)
+  loss, m = distillation.distill_loss(s, t, targets, mask, temperature=T, alpha=1.0)
   np.testing.assert_allclose(float(m["kl"]), float(trl_kl), rtol=1e-5)
   np.testing.assert_allclose(float(loss), T * T * float(trl_kl), rtol=1e-5)
 

@@ -2,7 +2,7 @@
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 argv: OUT.json CONFIG.json SPEC [SPEC ...], SPEC like "fsdp+tensor:data=2,fsdp=2,tensor=2:full"
-(layout, mesh, model.remat). Writes {SPEC: parallel.aot.compile_memory(...)}.
+(layout, mesh, model.remat). Writes {SPEC: train.plan.aot.compile_memory(...)}.
 """
 
 import json
@@ -11,7 +11,7 @@ import sys
 import jax
 from ml_collections import ConfigDict
 
-from parallel.aot import compile_memory
+from train.plan.aot import compile_memory
 
 assert jax.device_count() == 8, jax.devices()
 out_path, config_path, specs = sys.argv[1], sys.argv[2], sys.argv[3:]

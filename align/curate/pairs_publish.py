@@ -1,4 +1,4 @@
-"""The pair builder's journal, statistics and published asset (align/pairs.py)."""
+"""The pair builder's journal, statistics and published asset (align/curate/pairs.py)."""
 
 import hashlib
 import json
@@ -47,7 +47,7 @@ def read_journal(path: str, repair: bool = False) -> list[dict]:
 def model_ref(path: str) -> dict:
   """Lineage of a model: a file's sha256, or for a directory (a workdir, an HF directory)
   the sha256 of its files' names and contents, with a workdir's newest checkpoint step."""
-  from align.assets import file_ref
+  from train.assets import file_ref
   if os.path.isfile(path):
     return file_ref(path)
   h, total = hashlib.sha256(), 0
@@ -123,7 +123,7 @@ def _human_pair(item: dict) -> tuple[str, str] | None:
 def publish(builder, journal: str, queue, stats: dict) -> str:
   """Writes the "pairs" asset: teacher pairs (an audited one follows the human's label where
   a human gave one), then pairs humans resolved from the review queue."""
-  from align.assets import asset_ref, file_ref, sha256_file, write_asset
+  from train.assets import asset_ref, file_ref, sha256_file, write_asset
   prefix = builder.state["run_id"] + "-"
   resolved = {r["item_id"][len(prefix):]: r for r in queue.resolved()
               if r["item_id"].startswith(prefix)}
@@ -146,7 +146,7 @@ def publish(builder, journal: str, queue, stats: dict) -> str:
         rows.append({"id": e["id"], "prompt": e["prompt"], "chosen": pair[0],
                      "rejected": pair[1], "source": "human", "confidence": None})
   cfg = builder.cfg
-  from align.judge import RUBRIC
+  from align.curate.judge import RUBRIC
   rubric = cfg.teacher.rubric or RUBRIC
   lineage = dict(
       pool=asset_ref(builder.state["pool_asset"]),

@@ -19,8 +19,8 @@ import re
 
 from flax import nnx
 
-from infer.quant.formats import QuantFormat, check_group, parse_format
-from infer.quant.qarray import QArray
+from models.quant.formats import QuantFormat, check_group, parse_format
+from models.quant.qarray import QArray
 
 # parameter name -> its contraction letters (the tied embedding contracts D when it unembeds).
 CONTRACTS = {

@@ -120,10 +120,10 @@ def read_pool(path: str, fmt: str = "hh", *, text_key: str = "prompt",
 
 def drop_contaminated(prompts: list[str], eval_sets: str = "default", n: int = 13
                       ) -> tuple[list[str], dict]:
-  """The prompts that share no n-gram with a protected evaluation set (align/decontam.py),
+  """The prompts that share no n-gram with a protected evaluation set (train/decontam.py),
   and {eval set: prompts dropped}: a pool must not turn evaluation prompts into training
   data (hh-rlhf's helpful-base openings are where AlpacaEval's helpful_base came from)."""
-  from align.decontam import build_index, check_rows
+  from train.decontam import build_index, check_rows
   if not eval_sets:
     return prompts, {}
   report = check_rows(prompts, build_index(eval_sets, n=n))

@@ -1,14 +1,14 @@
-"""The protected-evaluation registry (data/protected_evals.json) that align/decontam.py checks
+"""The protected-evaluation registry (data/protected_evals.json) that train/decontam.py checks
 training data against.
 
 Entries ("eval_sets"): `name`, `path` (relative to the repository), `format` (jsonl | json |
 csv | jsonl.gz), `fields` (the text fields indexed; list values and nested dicts are walked
 for strings) and `licence`; or `name` + `asset` (a data-asset directory of kind "eval",
-align/assets.py, e.g. a pair builder's held-out prompts; `fields` optional: all string
+train/assets.py, e.g. a pair builder's held-out prompts; `fields` optional: all string
 leaves). Eval row numbers are 0-based (csv: data rows).
 
 "acknowledged_overlaps": training files (by sha256) known to contain rows of an evaluation
-set; align/decontam.py warns about those overlaps on every run instead of refusing it.
+set; train/decontam.py warns about those overlaps on every run instead of refusing it.
 """
 
 import csv
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from align import assets
+from train import assets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGISTRY = os.path.join(REPO, "data", "protected_evals.json")

@@ -12,7 +12,7 @@ row like "Nothing happens" occurs in ordinary text and would refuse clean data. 
 counts them (`EvalIndex.skipped_short`; of the default sets: 90 AlpacaEval, 8 MT-Bench,
 475 TruthfulQA question/answer and 175 XSTest texts).
 
-Evaluation sets are registered in data/protected_evals.json (align/eval_registry.py).
+Evaluation sets are registered in data/protected_evals.json (train/eval_registry.py).
 `eval_sets` selects them: "default" (every registered entry), names and asset directories
 (a list, or one comma-separated string; "default" may be among them), or empty (no check).
 
@@ -33,8 +33,8 @@ import re
 import sys
 from typing import Any, Mapping, Sequence
 
-from align import assets
-from align.eval_registry import (REGISTRY, strings, abspath, acknowledged, load_registry,
+from train import assets
+from train.eval_registry import (REGISTRY, strings, abspath, acknowledged, load_registry,
                                  read_rows, register_asset, row_texts)
 
 __all__ = ["normalize", "build_index", "check_rows", "enforce", "check_records",

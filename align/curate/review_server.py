@@ -1,11 +1,11 @@
-"""`meshlm review`: the web page and JSON API over a review queue (align/review_db.py).
+"""`meshlm review`: the web page and JSON API over a review queue (align/curate/review_db.py).
 
   meshlm review --db PATH [--host 127.0.0.1] [--port 8765] [--lease_s 600]
   meshlm review --db PATH --export ROOT     (write ROOT/review_results/vK + report.json, exit)
   meshlm review --db PATH --report          (print the audit report as JSON, exit)
 
 API (JSON bodies and answers; errors are {"error": message}):
-  GET  /                          the page (align/review_page.py)
+  GET  /                          the page (align/curate/review_page.py)
   GET  /api/progress?reviewer=R   {total, resolved, pending, leased, mine}
   GET  /api/report                the audit report
   POST /api/claim  {reviewer}                    -> {item | null, progress}
@@ -24,8 +24,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from absl import flags
 
-from align.review_db import AlreadyResolved, LeaseConflict, ReviewQueue, UnknownItem
-from align.review_page import PAGE
+from align.curate.review_db import AlreadyResolved, LeaseConflict, ReviewQueue, UnknownItem
+from align.curate.review_page import PAGE
 
 _MAX_BODY = 64 * 1024
 # Inline script and style only: the page loads nothing from anywhere (no network here).

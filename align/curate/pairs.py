@@ -3,9 +3,9 @@
   meshlm pairs --config experiments/pairs_hh.py --workdir runs/pairs_hh
 
 For each prompt of the pool the student policy samples n candidates (infer.Engine), the
-teacher judges them (align/judge.py, both orders) and ranks them by mean win probability:
+teacher judges them (align/curate/judge.py, both orders) and ranks them by mean win probability:
 - a verdict the teacher could not give, or one below `route.confidence`, goes to the human
-  review queue (align/review_db.py; `meshlm review --db WORKDIR/review.sqlite`);
+  review queue (align/curate/review_db.py; `meshlm review --db WORKDIR/review.sqlite`);
 - otherwise (prompt, best, worst) is emitted; a random `route.audit_fraction` of these, and
   each one where the student's own reward model (`route.student_rm`) disagrees with the
   teacher, is also queued as an audit item.
@@ -15,7 +15,7 @@ teacher's pick.
 Each prompt's outcome is appended to WORKDIR/journal.jsonl once its queue items are in;
 a killed run resumes from the journal, and queue inserts are idempotent by item id, so no
 item is emitted or queued twice. The output (`publish`) is a versioned data asset "pairs"
-(align/assets.py): the teacher's emitted pairs with human labels applied, plus the pairs
+(train/assets.py): the teacher's emitted pairs with human labels applied, plus the pairs
 humans resolved from the queue; its manifest's lineage names the pool, the held-out
 evaluation prompts, both models, the rubric, thresholds, seeds and the calibration.
 """
@@ -31,8 +31,8 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from align import pool as pool_lib
-from align.pairs_publish import item_key, model_ref, publish, read_journal, write_stats
+from align.curate import pool as pool_lib
+from align.curate.pairs_publish import item_key, model_ref, publish, read_journal, write_stats
 
 
 def _check(cfg) -> None:
@@ -116,7 +116,7 @@ class Builder:
 
   def _pool_assets(self) -> list[str]:
     """The pool's prompts (written once as assets "prompts" and "prompts_eval")."""
-    from align.assets import file_ref, read_asset, write_asset
+    from train.assets import file_ref, read_asset, write_asset
     p = self.cfg.pool
     if "pool_asset" not in self.state:
       prompts, report = pool_lib.read_pool(p.path, p.format, text_key=p.text_key,
@@ -143,7 +143,7 @@ class Builder:
 
   def _models(self):
     from train.cli import load_any
-    from align.judge import PREFILL, RUBRIC, PairwiseJudge, RewardJudge
+    from align.curate.judge import PREFILL, RUBRIC, PairwiseJudge, RewardJudge
     self.student_path = _model_path(self.cfg.student.model)
     self.student, self.tokenizer = load_any(self.student_path, "pairs")
     t = self.cfg.teacher
@@ -172,7 +172,7 @@ class Builder:
 
   def _calibrate(self) -> None:
     """Fits the judge's temperature once on labelled pairs of the calibration prompts."""
-    from align.judge import expected_calibration_error, fit_temperature
+    from align.curate.judge import expected_calibration_error, fit_temperature
     t = self.cfg.teacher
     if t.temperature:
       self.state.setdefault("calibration", {"temperature": t.temperature, "fitted": False})
@@ -225,7 +225,7 @@ class Builder:
   def _rank(self, prompt: str, cands: list[str]):
     """(best, worst, judgement of best vs worst oriented so "A" = best, mean win
     probabilities) from every pair of candidates, each judged in both orders."""
-    from align.judge import combine
+    from align.curate.judge import combine
     n = len(cands)
     pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
     judged = self.judge.judge([(prompt, cands[i], cands[j]) for i, j in pairs])
@@ -291,7 +291,7 @@ class Builder:
 
   def run(self) -> dict:
     """Builds (or resumes) the pairs, then publishes."""
-    from align.review_db import ReviewQueue
+    from align.curate.review_db import ReviewQueue
     start = time.time()
     prompts = self._pool_assets()
     journal = os.path.join(self.workdir, "journal.jsonl")
@@ -324,7 +324,7 @@ class Builder:
     return self.publish(queue, time.time() - start)
 
   def publish(self, queue=None, wall_s: float = 0.0) -> dict:
-    from align.review_db import ReviewQueue
+    from align.curate.review_db import ReviewQueue
     if "pool_asset" not in self.state or "models" not in self.state:
       raise ValueError(f"{self.workdir}: no pairs built here yet, nothing to publish")
     queue = queue or ReviewQueue(self.db_path)

@@ -98,7 +98,7 @@ def _get(section, key, default):
 
 
 def workload_from_config(config: ConfigDict) -> Workload:
-  from experiments.defaults import model_config_from
+  from train.defaults import model_config_from
   model = model_config_from(config)
   pipe = config.get("pipeline", None)
   # Dropless routes exactly top_k copies of each token; the capacity path pads to its factor.

@@ -4,7 +4,7 @@ planner's communication bytes, tokens per day, and $ and kWh per million tokens.
 import math
 
 from parallel.mesh import MESH_AXES
-from parallel.planner import DAY_SECONDS
+from train.plan.planner import DAY_SECONDS
 
 # The step time is model FLOPs at an assumed MFU of the device
 # peak (MFU covers everything that is not communication: kernel efficiency,

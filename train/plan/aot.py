@@ -9,7 +9,7 @@ XLA's per-device `memory_analysis()`. It needs as many devices as the mesh; as
 starts, `compile_in_subprocess` runs it in a fresh interpreter:
 
   echo '{"config": {...}, "mesh": {"fsdp": 8}, "sharding": "fsdp"}' | \
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m parallel.aot
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m train.plan.aot
 
 which prints one JSON line. The peak a device needs is taken as
 argument + output − aliased (donated) + temporaries.
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Mapping
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -36,7 +36,7 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
   from ml_collections import ConfigDict
 
   import parallel
-  from experiments.defaults import model_config_from
+  from train.defaults import model_config_from
   from train.optimizer import make_optimizer
   from train.state import abstract_model, state_shardings
   from train.step import jit_train_step
@@ -114,7 +114,7 @@ def compile_in_subprocess(config, devices: int, mesh_sizes: Mapping[str, int], s
              PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
   config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   request = json.dumps(dict(config=config, mesh=dict(mesh_sizes), sharding=sharding))
-  out = subprocess.run([sys.executable, "-m", "parallel.aot"], input=request, env=env, cwd=_REPO,
+  out = subprocess.run([sys.executable, "-m", "train.plan.aot"], input=request, env=env, cwd=_REPO,
                        capture_output=True, text=True, timeout=timeout)
   lines = out.stdout.strip().splitlines()
   if out.returncode != 0 or not lines:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.quant.formats import QuantFormat, dequantize_values
+from models.quant.formats import QuantFormat, dequantize_values
 
 _STATIC = dict(static=True)
 

@@ -1,5 +1,5 @@
 """Self-Instruct's files: flags and config, seed tasks, the append-only stage logs, and the
-finished asset + stats.json (align/selfinstruct.py runs the stages)."""
+finished asset + stats.json (align/curate/selfinstruct.py runs the stages)."""
 
 import collections
 import json
@@ -8,7 +8,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Keys that may change between a run and its resumption: asking for more rounds / tasks, and
 # the engines' sizes (a request's tokens do not depend on its batch or engine kind).
 RESUMABLE_KEYS = ("max_rounds", "num_instructions", "engines", "stage_batch")
@@ -180,8 +180,8 @@ def _stats(cfg, out, kept, labels, inst, seconds) -> dict:
 def write_outputs(cfg, out, seed_path, model_path, kept, labels, inst, seconds, log) -> dict:
   """The asset (one row per kept instruction) and OUT/stats.json; an unchanged rerun
   reuses the latest asset version instead of writing an identical one."""
-  from align import assets
-  from align import selfinstruct_filters as F
+  from train import assets
+  from align.curate import selfinstruct_filters as F
   rows = [{"id": f"selfinstruct-{k:05d}", "instruction": c["instruction"],
            "is_classification": labels[c["instruction"]]["is_classification"],
            "instances": inst[c["instruction"]]["instances"], "round": c["round"],

@@ -50,7 +50,7 @@ def base_config() -> ConfigDict:
                              # | "mlm": masked packed documents for encoders (train/mlm_data.py)
   c.data.validation_path = ""  # alignment runs: held-out files (else a hash split by prompt)
   # Training data sharing n-grams with protected evaluation sets (data/protected_evals.json)
-  # is refused (align/decontam.py): more than max_overlap_rows (a fraction) of rows overlap
+  # is refused (train/decontam.py): more than max_overlap_rows (a fraction) of rows overlap
   # and allow is False. eval_sets: "default" (all registered) | "name,asset_dir,..." | "" (off).
   c.data.decontam = ConfigDict(dict(n=13, min_tokens=8, max_overlap_rows=0.0, allow=False,
                                     eval_sets="default"))

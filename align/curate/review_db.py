@@ -351,7 +351,7 @@ class ReviewQueue:
   def export(self, root: str) -> str:
     """Writes the resolved items as the data asset ROOT/review_results/vK plus its report
     (report.json beside the data); returns the version directory."""
-    from align.assets import file_ref, write_asset
+    from train.assets import file_ref, write_asset
     con = sqlite3.connect(self.path, timeout=30.0)
     try:
       con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the WAL into the file: hash the content

@@ -5,7 +5,7 @@
 Stages, each appending to a JSONL file in DIR as it goes:
   1. bootstrap   rounds of `prompts_per_round` list prompts (6 human seeds + 2 machine tasks,
                  fewer machine ones while the pool is small); each candidate is kept or gets
-                 the first rejection reason: a rule filter (align/selfinstruct_filters.py),
+                 the first rejection reason: a rule filter (align/curate/selfinstruct_filters.py),
                  "rouge" (ROUGE-L > 0.7 against the pool), "semantic" (MiniLM cosine above
                  `semantic_threshold` against the pool). Until `num_instructions` are kept
                  or `max_rounds` ran.                                   -> rounds.jsonl
@@ -15,7 +15,7 @@ Stages, each appending to a JSONL file in DIR as it goes:
   3. instances   input-first (non-classification) or output-first (classification)
                  prompts, greedy; invalid / duplicate instances dropped, <= 5 per task.
                                                                         -> instances.jsonl
-  4. the asset   ROOT/selfinstruct/vK (align.assets; ROOT = `asset_root`, default DIR)
+  4. the asset   ROOT/selfinstruct/vK (train.assets; ROOT = `asset_root`, default DIR)
                  and DIR/stats.json.
 
 Generation: SmolLM2-135M-Instruct by default, through infer.Engine (bootstrap) and its
@@ -36,9 +36,9 @@ import random
 import sys
 import time
 
-from align import selfinstruct_filters as F
-from align.selfinstruct_io import (JsonlLog, check_config, load_seeds, parse_flags, resolve,
-                                   write_outputs)
+from align.curate import selfinstruct_filters as F
+from align.curate.selfinstruct_io import (JsonlLog, check_config, load_seeds, parse_flags, resolve,
+                                          write_outputs)
 
 
 class Generator:
