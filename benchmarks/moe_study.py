@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from experiments import moe_study
-from train import data as data_lib
+from train import global_data
 from train.defaults import model_config_from
 from train.loop import train
 from train.workdir import load_trained
@@ -59,7 +59,7 @@ def summarize(variant: str, workdir: str, config) -> dict:
 def heldout_load(workdir: str, config, step: int | None = None, batches: int = 16) -> dict:
   """Per-layer max/mean expert load of a checkpoint over held-out batches (many tokens)."""
   model, tokenizer, step = load_trained(workdir, step)
-  ds = data_lib.make_global_dataset(config.data, tokenizer, seq_len=config.seq_len,
+  ds = global_data.make_global_dataset(config.data, tokenizer, seq_len=config.seq_len,
                                     global_batch_size=config.batch_size, split="validation",
                                     seed=config.seed)
   fn = jax.jit(lambda b: model(b["inputs"], b["positions"], b["segment_ids"],

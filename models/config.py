@@ -245,11 +245,10 @@ class ModelConfig:
 
   def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
     if not self.llama_shaped:
-      if active or not include_embedding:
-        raise ValueError(f"num_params(include_embedding=False/active=True) is defined for "
-                         f"Llama-shaped decoders; arch={self.arch!r}: use models.param_count")
-      from models.registry import param_count  # counts the abstract model's arrays
-      return param_count(self)
+      # The registry builds the abstract model from this config, so it cannot be imported here.
+      raise ValueError(f"num_params() is the closed form for Llama-shaped decoders; for "
+                       f"arch={self.arch!r} (norm_position={self.norm_position!r}) count the "
+                       f"model's arrays with models.param_count(cfg)")
     d, h = self.d_model, self.head_dim
     attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
     per_layer = attn + self.mlp_params(active) + 2 * d

@@ -20,10 +20,15 @@ values bit for bit.
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from models import hf_io
 from models.gguf_io import unpermute_rope
+from models.quant.formats import parse_format
+from models.quant.qarray import QArray, arrange
+from models.quant.rules import CONTRACTS
 
 BLOCK = 32
 
@@ -83,13 +88,6 @@ def quantized_params(tensors, abstract_params) -> tuple[dict, set]:
   stored as Q4_0/Q4_1/Q8_0; everything else (norms, F16/F32 tensors) is left to the
   float path. `tensors` is a gguf_io.GGUFTensors, `abstract_params` the model's Param state.
   """
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from models.quant.formats import parse_format
-  from models.quant.qarray import QArray, arrange
-  from models.quant.rules import CONTRACTS
-
   cfg = tensors.cfg
   table, out, used = hf_io._name_table(cfg), {}, set()
   for path, var in nnx.to_flat_state(abstract_params):

@@ -19,6 +19,7 @@ from flax import nnx
 
 from models import hf_io
 from models.config import ModelConfig
+from models.registry import build_from_params
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
 
 # Our param path -> (HF name, layout n_in of hf_io.TensorReader).
@@ -177,7 +178,6 @@ def load_tokenizer(directory: str) -> Tokenizer | None:
 
 def load(directory: str, mesh=None, dtype: str | None = None, param_dtype: str | None = None):
   """(Encoder, Tokenizer | None) from a BertModel / sentence-transformers directory."""
-  from models.pretrained import build_from_params  # pretrained dispatches here lazily
   hf = hf_io.read_config(directory)
   cfg = config_from_hf(hf, source=os.path.join(directory, hf_io.CONFIG_FILE),
                        pooling=pooling_from_st(directory), dtype=dtype, param_dtype=param_dtype)

@@ -25,6 +25,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.encoder_decoder import EncoderDecoder
 from models.hf_io import CONFIG_FILE, SafetensorsDir, TensorReader, read_config
+from models.registry import build_from_params
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
 
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -180,7 +181,6 @@ def load(directory: str, mesh=None, dtype: str | None = None, param_dtype: str |
   separate = _separate_head(tensors)
   cfg = config_from_hf(hf, source, separate_head=separate, dtype=dtype, param_dtype=param_dtype)
   scale = cfg.d_model ** -0.5 if scales_output(hf) and not cfg.tie_embeddings else 1.0
-  from models.pretrained import build_from_params  # pretrained dispatches here lazily
   model = build_from_params(cfg, lambda state: params_from_hf(
       cfg, state, tensors.read, tensors.names, head_scale=scale), mesh)
   tokenizer = None

@@ -9,15 +9,13 @@ import importlib.util
 import os
 import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from models import hf_io
+from models import gguf_io, gguf_quant, hf_bert, hf_io, hf_t5
 from models.config import ModelConfig
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
-from models.transformer import Transformer, abstract_model
+from models.registry import build_from_params
+from models.transformer import Transformer
 
 GGUF_MAGIC = b"GGUF"
 
@@ -41,39 +39,6 @@ def build_model(cfg: ModelConfig, read, names, mesh=None, ready=None) -> Transfo
   return build_from_params(cfg, params_fn, mesh)
 
 
-def build_from_params(cfg: ModelConfig, params_fn, mesh=None):
-  """The model cfg.arch names, built abstractly and filled with `params_fn(abstract_params)`
-  -> {param path: numpy array (or a value already on device)}.
-
-  With `mesh`, each array is placed straight into its sharding from the params'
-  logical axis names, so no single device ever holds the whole model.
-  """
-  model = abstract_model(cfg)
-  state = nnx.state(model, nnx.Param)
-  params = params_fn(state)
-  shardings = None
-  if mesh is not None:
-    from parallel import logical_shardings  # only needed when sharding
-    shardings = nnx.to_pure_dict(logical_shardings(state, mesh))
-  pure = nnx.to_pure_dict(state)
-
-  def place(path, _):
-    keys = tuple(k.key for k in path)
-    arr = params.pop(keys)  # drop host copies as we go
-    if not isinstance(arr, np.ndarray):
-      return arr  # supplied whole (e.g. quantized), already on device
-    if shardings is None:
-      return jnp.asarray(arr)
-    sharding = shardings
-    for k in keys:
-      sharding = sharding[k]
-    return jax.device_put(arr, sharding)
-
-  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, pure))
-  nnx.update(model, state)
-  return model
-
-
 def _is_gguf(path: str) -> bool:
   if path.lower().endswith(".gguf"):
     return True
@@ -84,12 +49,9 @@ def _is_gguf(path: str) -> bool:
 def _load_hf_dir(directory: str, mesh=None, **dtypes):
   cfg_dict = hf_io.read_config(directory)
   model_type = cfg_dict.get("model_type")
-  # Imported lazily: each family's loader is only needed for its own checkpoints.
   if model_type == "bert":
-    from models import hf_bert
     return hf_bert.load(directory, mesh=mesh, **dtypes)
   if model_type == "t5":
-    from models import hf_t5
     return hf_t5.load(directory, mesh=mesh, **dtypes)
   cfg = hf_io.config_from_hf(cfg_dict, source=os.path.join(directory, hf_io.CONFIG_FILE), **dtypes)
   tensors = hf_io.SafetensorsDir(directory)  # raises if there are no safetensors
@@ -130,11 +92,9 @@ def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | N
   if os.path.isdir(path):
     return _load_hf_dir(path, mesh, **dtypes)
   if gguf:
-    from models import gguf_io  # keeps the gguf package optional for HF-only users
     cfg, tensors, tokenizer = gguf_io.read_gguf(path, **dtypes)  # refuses unsupported types
     ready = None
     if quantized:
-      from models import gguf_quant
       ready = lambda state: gguf_quant.quantized_params(tensors, state)  # noqa: E731
     return build_model(cfg, tensors.read, tensors.names, mesh, ready), tokenizer
   raise ValueError(f"{path!r} is neither a Hugging Face model directory nor a .gguf file "
@@ -149,7 +109,6 @@ def load_pretrained_tokenizer(path: str) -> Tokenizer:
   if os.path.isdir(path):
     return Tokenizer.load(path)
   if _is_gguf(path):
-    from models import gguf_io
     return gguf_io.tokenizer_from_gguf(gguf_io.FastGGUFReader(path), path)
   raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
 

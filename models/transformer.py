@@ -6,7 +6,6 @@ attend to each other both ways, encoder-style, and generates causally after
 them; arch="decoder" ignores no input and is causal throughout.
 """
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -87,14 +86,3 @@ class Transformer(Embeddings):
   def _logits(self, x_BTD):
     """Final norm and unembedding, in float32."""
     return self._unembed(self._final(x_BTD))
-
-
-def abstract_model(cfg: ModelConfig):
-  """The model `cfg.arch` names, its params ShapeDtypeStructs: shapes, dtypes, logical names.
-
-  Built outside any ambient mesh: the logical names are mapped to mesh axes by
-  `parallel/`, not by flax's eval_shape.
-  """
-  from models.registry import create_model  # the registry imports this module
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return nnx.eval_shape(lambda: create_model(cfg, nnx.Rngs(0)))

@@ -8,7 +8,7 @@ import pytest
 
 from experiments import arch_compare
 from models import ConfigError
-from train import data as data_lib
+from train import global_data
 from train import seq2seq_data
 from train.setup import validate
 from train.tokenizer_training import train_bpe_tokenizer
@@ -101,18 +101,18 @@ def test_every_arch_gets_the_same_examples_laid_out_right(setup):
 
 def test_train_split_repeats_shuffled_and_global_batches_keep_every_field(setup):
   config, tok = setup
-  ds = data_lib.make_global_dataset(config.data, tok, seq_len=64, global_batch_size=4,
+  ds = global_data.make_global_dataset(config.data, tok, seq_len=64, global_batch_size=4,
                                     split="train", seed=0, num_shards=2, arch="encoder_decoder")
   it = iter(ds)
   first = [next(it) for _ in range(3)]
   assert set(first[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_mask",
                            "enc_inputs", "enc_segment_ids", "enc_positions"}
   assert all(b["inputs"].shape == (4, 64) and b["enc_inputs"].shape == (4, 64) for b in first)
-  again = next(iter(data_lib.make_global_dataset(
+  again = next(iter(global_data.make_global_dataset(
       config.data, tok, seq_len=64, global_batch_size=4, split="train", seed=0, num_shards=2,
       arch="encoder_decoder")))
   assert all(np.array_equal(first[0][k], again[k]) for k in again)
-  other_seed = next(iter(data_lib.make_global_dataset(
+  other_seed = next(iter(global_data.make_global_dataset(
       config.data, tok, seq_len=64, global_batch_size=4, split="train", seed=1, num_shards=2,
       arch="encoder_decoder")))
   assert not np.array_equal(first[0]["inputs"], other_seed["inputs"])
@@ -179,5 +179,5 @@ def test_the_config_must_ask_for_pairs_to_train_an_encoder_decoder(setup):
   lm_data = arch_compare.get_config("decoder").data
   lm_data.task = "lm"
   with pytest.raises(ValueError, match="data.task='seq2seq'"):
-    data_lib.make_global_dataset(lm_data, tok, seq_len=64, global_batch_size=4, split="train",
+    global_data.make_global_dataset(lm_data, tok, seq_len=64, global_batch_size=4, split="train",
                                  seed=0, arch="encoder_decoder")

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from models.tokenizer import Tokenizer
+from train import decontam
 
 FIELDS = ("inputs", "targets", "segment_ids", "positions")
 TASKS = ("lm", "seq2seq", "mlm")  # data.task: what a row of a batch asks the model to predict
@@ -149,7 +150,6 @@ def load_split(data_cfg: Mapping[str, Any], split: str) -> list[str]:
                      f"(data.val_fraction={data_cfg['val_fraction']})")
   if split == "train":
     # Refuses documents holding protected evaluation rows (data.decontam; defaults when absent).
-    from train import decontam  # align imports this module
     read = functools.partial(read_documents, text_key=data_cfg["text_key"],
                              doc_separator=data_cfg["doc_separator"])
     decontam.check_documents(data_cfg, docs, resolve_paths(data_cfg["path"]), read)
@@ -248,48 +248,3 @@ def make_dataset(data_cfg: Mapping[str, Any], tokenizer: Tokenizer, *, seq_len: 
     pad = functools.partial(grain.experimental.batch_and_pad, batch_size=batch_size)
     batched = packed.batch(batch_size, drop_remainder=False, batch_fn=pad)
   return batched.map(_to_batch_fields)
-
-
-def _concat_rows(batches: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
-  return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-
-
-def make_global_dataset(data_cfg: Mapping[str, Any], tokenizer: Tokenizer, *, seq_len: int,
-                        global_batch_size: int, split: str, seed: int,
-                        num_shards: int = 0, arch: str = "decoder",
-                        vocab_size: int = 0) -> grain.IterDataset:
-  """This process's rows of each global batch, the same whatever the process count.
-
-  The documents are dealt into `num_shards` shards (0: one per process); each
-  process packs only the shards it owns, and a global batch is the shards' rows
-  in shard order. With `num_shards` fixed, one process x 8 devices sees exactly
-  the batches that two processes x 4 devices see. Zipped validation shards end
-  with the shortest one. `data_cfg.task` "seq2seq" makes train/seq2seq_data.py's rows
-  for model.arch `arch`; "mlm" masked packed documents (train/mlm_data.py; `vocab_size`:
-  the model's); "lm" (the default) packed documents.
-  """
-  task = data_cfg.get("task", "lm")
-  if task == "seq2seq":
-    from train import seq2seq_data  # it imports this module
-    make = functools.partial(seq2seq_data.make_dataset, arch=arch)
-  elif task == "mlm":
-    from train import mlm_data
-    make = functools.partial(mlm_data.make_dataset, vocab_size=vocab_size)
-  elif task == "lm":
-    if arch in ("encoder_decoder", "encoder"):
-      raise ValueError(f"model.arch={arch!r} does not train on next-token prediction: set "
-                       f"data.task={'seq2seq' if arch == 'encoder_decoder' else 'mlm'!r}")
-    make = make_dataset
-  else:
-    raise ValueError(f"data.task={task!r}; choose one of {TASKS}")
-  count, index = jax.process_count(), jax.process_index()
-  shards = num_shards or count
-  if shards % count or global_batch_size % shards:
-    raise ValueError(f"data.num_shards={shards} must be a multiple of the {count} process(es) "
-                     f"and divide batch_size={global_batch_size}")
-  owned = range(index * shards // count, (index + 1) * shards // count)
-  parts = [make(data_cfg, tokenizer, seq_len=seq_len, batch_size=global_batch_size // shards,
-                split=split, seed=seed, process_index=s, process_count=shards) for s in owned]
-  if len(parts) == 1:
-    return parts[0]
-  return grain.experimental.ZipIterDataset(parents=parts, strict=False).map(_concat_rows)

@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from models import ConfigError, Tokenizer
+from train import data
 
 MASK_TOKENS = ("[MASK]", "<mask>")
 
@@ -58,7 +59,6 @@ class MaskTokens(grain.transforms.RandomMap):
 def make_dataset(data_cfg: Mapping[str, Any], tokenizer: Tokenizer, *, vocab_size: int,
                  seed: int, **lm_kwargs) -> grain.IterDataset:
   """train/data.py's packed LM batches (same keyword arguments), masked for MLM."""
-  from train import data  # data dispatches here
   lm = data.make_dataset(data_cfg, tokenizer, seed=seed, **lm_kwargs)
   mlm = data_cfg.get("mlm", {})
   masker = MaskTokens(mask_id(tokenizer, vocab_size), tokenizer.vocab_size,

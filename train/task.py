@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import parallel
-from train import data as data_lib
+from train import global_data
 from train import step as step_lib
 from train.state import create_train_state
 
@@ -60,7 +60,7 @@ class LMTask:
 
   def datasets(self, plan) -> dict:
     c = self.config
-    return {split: data_lib.make_global_dataset(
+    return {split: global_data.make_global_dataset(
         c.data, plan.tokenizer, seq_len=c.seq_len, global_batch_size=c.batch_size,
         split=split, seed=c.seed, num_shards=c.data.num_shards, arch=plan.model_cfg.arch,
         vocab_size=plan.model_cfg.vocab_size) for split in ("train", "validation")}

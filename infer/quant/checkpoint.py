@@ -166,7 +166,7 @@ def read_info(directory: str) -> dict:
 def load_quantized(directory: str):
   """(model, tokenizer or None) from a directory save_quantized wrote."""
   from models import ModelConfig, Tokenizer
-  from models.transformer import abstract_model
+  from models.registry import abstract_model
 
   info = read_info(directory)
   cfg = ModelConfig.from_mapping(info["model_config"])
