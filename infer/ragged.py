@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.attention import visible
+
 NULL_PAGE = 0
 GROUP = 4  # pages per entry: 64 token slots at the default block size
 
@@ -105,16 +107,16 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   new_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH.astype(dtype)).astype(
       jnp.float32) * cfg.scale
 
+  # attention()'s rule (models/attention.visible), an entry's S slots as keys of its row's
+  # queries: a cached key is real (segment 1) iff its entry is not padding and it precedes
+  # the chunk, whose keys come from k_BTKH (so causality adds nothing there); an entry's
+  # null pages lie past its row's end, so past start_B too.
   pos_PS = pages.block_P[:, None] * z + jnp.arange(y * z, dtype=jnp.int32)
-  # an entry's null pages lie past its row's end, so past start_B too
-  old_PTS = ((pages.block_P >= 0)[:, None, None]
-             & (pos_PS < start_B[pages.row_P][:, None])[:, None, :])
-  new_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
-             & (segment_ids_BT > 0)[:, None, :])
-  if cfg.sliding_window:
-    q_pos_PT = positions_BT[pages.row_P]
-    old_PTS = old_PTS & (pos_PS[:, None, :] > q_pos_PT[:, :, None] - cfg.sliding_window)
-    new_BTS = new_BTS & (positions_BT[:, None, :] > positions_BT[:, :, None] - cfg.sliding_window)
+  old_seg_PS = ((pages.block_P >= 0)[:, None] & (pos_PS < start_B[pages.row_P][:, None]))
+  old_PTS = visible(positions_BT[pages.row_P], pos_PS, causal=True, window=cfg.sliding_window,
+                    kv_seg_BS=old_seg_PS.astype(jnp.int32))
+  new_BTS = visible(positions_BT, positions_BT, causal=True, window=cfg.sliding_window,
+                    kv_seg_BS=segment_ids_BT)
   old_KPGTS = jnp.where(old_PTS[None, :, None], old_KPGTS, -jnp.inf)
   new_BKGTS = jnp.where(new_BTS[:, None, None], new_BKGTS, -jnp.inf)
 

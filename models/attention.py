@@ -9,6 +9,8 @@ decode (T = 1 query against S cached keys). Key j is visible to query i iff
     prefix (kv_prefix[j], prefix-LM: the prompt sees itself both ways);
   * sliding_window W (needs causal): q_pos[i] - W < kv_pos[j].
 
+`visible(...)` is this rule's one definition (infer/ragged.py masks with it too).
+
 Positions default to indices (query i at i, key j at j); pass them when the
 queries are not the first T keys, as in decode. A query with no visible key
 gets a zero output (and zero gradients), never NaN. `bias_fn(q_pos_BT,
@@ -120,20 +122,29 @@ class _Spec:
   prefix: bool = False  # kv_prefix given: prefix keys are visible to every query of the segment
 
 
-def _visible(q_pos, q_seg, kv_pos, kv_seg, spec: _Spec, empty_keys=True, kv_prefix=None):
-  """The mask [B|1, T, S]: True where query t may attend key s. Segment ids may be None;
-  `empty_keys=False` skips the segment-0 test on keys (the caller handles padding)."""
+def visible(q_pos_BT, kv_pos_BS, *, causal=True, window=0, q_seg_BT=None, kv_seg_BS=None,
+            kv_prefix_BS=None, empty_keys=True):
+  """The visibility rule, the one definition: mask [B|1, T, S], True where query t may see key s.
+
+    causal:     kv_pos <= q_pos, or kv_prefix != 0 (bidirectional prefix, prefix-LM);
+    window W:   q_pos - W < kv_pos (W = 0 or None: no window);
+    segments:   q_seg == kv_seg when q_seg is given; kv_seg != 0 (padding, empty slots)
+                when kv_seg is given, unless `empty_keys=False` (the caller zeroes those rows).
+
+  B may be any leading axis that the arguments share or broadcast over (infer/ragged.py
+  passes one row per entry of its page list).
+  """
   vis_BTS = jnp.ones((1, 1, 1), bool)
-  if spec.causal:
-    vis_BTS = kv_pos[:, None, :] <= q_pos[:, :, None]
-    if spec.prefix:
-      vis_BTS = vis_BTS | (kv_prefix != 0)[:, None, :]
-  if spec.match_segments:
-    vis_BTS = vis_BTS & (q_seg[:, :, None] == kv_seg[:, None, :])
-  if kv_seg is not None and empty_keys:
-    vis_BTS = vis_BTS & (kv_seg != 0)[:, None, :]
-  if spec.window:
-    vis_BTS = vis_BTS & (kv_pos[:, None, :] > q_pos[:, :, None] - spec.window)
+  if causal:
+    vis_BTS = kv_pos_BS[:, None, :] <= q_pos_BT[:, :, None]
+    if kv_prefix_BS is not None:
+      vis_BTS = vis_BTS | (kv_prefix_BS != 0)[:, None, :]
+  if q_seg_BT is not None:
+    vis_BTS = vis_BTS & (q_seg_BT[:, :, None] == kv_seg_BS[:, None, :])
+  if kv_seg_BS is not None and empty_keys:
+    vis_BTS = vis_BTS & (kv_seg_BS != 0)[:, None, :]
+  if window:
+    vis_BTS = vis_BTS & (kv_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window)
   return vis_BTS
 
 
@@ -164,8 +175,8 @@ def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec
   if bias_fn is not None:
     bias_BNTS = bias_fn(q_pos, kv_pos).astype(jnp.float32)
     scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(bias_BNTS.shape[0], k, n // k, t, -1)
-  mask_B11TS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec, empty_keys=not self_attention,
-                        kv_prefix=kv_prefix)
+  mask_B11TS = visible(q_pos, kv_pos, causal=spec.causal, window=spec.window, q_seg_BT=q_seg,
+                       kv_seg_BS=kv_seg, kv_prefix_BS=kv_prefix, empty_keys=not self_attention)
   mask_B11TS = mask_B11TS[:, None, None]
   scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
   probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
@@ -233,7 +244,10 @@ def _flash_fwd(q_BTKGH, k_BSKH, v_BSKH, q_info, kv_info, spec):
 
     def kv_step(carry, ys):
       k_BSKH, v_BSKH, kv_pos, kv_seg, *kv_prefix = ys
-      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec, kv_prefix=(kv_prefix or [None])[0])
+      # _blockwise fills absent query segment ids with ones: match them only when given.
+      mask_BTS = visible(q_pos, kv_pos, causal=spec.causal, window=spec.window,
+                         q_seg_BT=q_seg if spec.match_segments else None, kv_seg_BS=kv_seg,
+                         kv_prefix_BS=(kv_prefix or [None])[0])
 
       def update(carry):
         m_BKGT, l_BKGT, acc_BKGTH = carry
@@ -279,8 +293,10 @@ def _flash_bwd(spec, res, dout_BTKGH):
 
     def q_step(carry, ys):
       q_BTKGH, do_BTKGH, lse_BKGT, delta_BKGT, q_pos, q_seg = ys
-      mask_BTS = _visible(q_pos, q_seg, kv_pos, kv_seg, spec,
-                          kv_prefix=(kv_prefix or [None])[0])
+      # _blockwise fills absent query segment ids with ones: match them only when given.
+      mask_BTS = visible(q_pos, kv_pos, causal=spec.causal, window=spec.window,
+                         q_seg_BT=q_seg if spec.match_segments else None, kv_seg_BS=kv_seg,
+                         kv_prefix_BS=(kv_prefix or [None])[0])
 
       def update(carry):
         dk_BSKH, dv_BSKH = carry

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from models import ConfigError, ModelConfig, Transformer
-from models.attention import _Spec, _visible
+from models.attention import visible
 
 CFG = dict(vocab_size=97, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48)
 
@@ -48,8 +48,7 @@ def test_packed_documents_do_not_attend_to_each_other():
 
 def test_attention_mask_blocks_future_and_other_segments():
   seg_BT, pos_BT = jnp.asarray([[1, 1, 2, 2]]), jnp.arange(4)[None]
-  spec = _Spec(causal=True, window=0, match_segments=True, scale=1.0, block_q=4, block_kv=4)
-  mask = np.asarray(_visible(pos_BT, seg_BT, pos_BT, seg_BT, spec))[0]
+  mask = np.asarray(visible(pos_BT, pos_BT, causal=True, q_seg_BT=seg_BT, kv_seg_BS=seg_BT))[0]
   expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], bool)
   np.testing.assert_array_equal(mask, expected)
 
