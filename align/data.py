@@ -368,7 +368,9 @@ def load_sft(paths, tokenizer, max_len: int):
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
-def _place(batch, row: int, start: int, segment: int, ids_N, mask_N) -> None:
+def place_example(batch, row: int, start: int, segment: int, ids_N, mask_N) -> None:
+  """Writes one example's N ids (N - 1 inputs/targets) into `batch` row `row` from column
+  `start`, as segment `segment` with positions from 0."""
   n = len(ids_N) - 1
   cols = slice(start, start + n)
   batch["inputs"][row, cols], batch["targets"][row, cols] = ids_N[:-1], ids_N[1:]
@@ -377,7 +379,8 @@ def _place(batch, row: int, start: int, segment: int, ids_N, mask_N) -> None:
   batch["loss_mask"][row, cols] = mask_N[1:]
 
 
-def _empty(rows: int, seq_len: int) -> dict:
+def empty_batch(rows: int, seq_len: int) -> dict:
+  """Every FIELDS array [rows, seq_len] int32, all 0 (padding)."""
   return {k: np.zeros((rows, seq_len), np.int32) for k in FIELDS}
 
 
@@ -396,19 +399,19 @@ def pack_sft(examples: Sequence[tuple], seq_len: int) -> dict:
     segment = 1 + sum(1 for p in placed if p[0] == row)
     placed.append((row, used[row], segment, ids, mask))
     used[row] += n
-  batch = _empty(len(used), seq_len)
+  batch = empty_batch(len(used), seq_len)
   for row, start, segment, ids, mask in placed:
-    _place(batch, row, start, segment, ids, mask)
+    place_example(batch, row, start, segment, ids, mask)
   return batch
 
 
 def pair_batch(pairs: Sequence[tuple], seq_len: int) -> dict:
   """[2B, T] batch: row b is pair b's chosen response, row B + b its rejected one (one
   segment each, right-padded), so one forward pass scores both."""
-  batch = _empty(2 * len(pairs), seq_len)
+  batch = empty_batch(2 * len(pairs), seq_len)
   for b, (chosen, rejected) in enumerate(pairs):
     for row, (ids, mask) in ((b, chosen), (len(pairs) + b, rejected)):
       if not 1 <= len(ids) - 1 <= seq_len:
         raise ValueError(f"pair {b}: {len(ids)} tokens do not fit seq_len={seq_len}")
-      _place(batch, row, 0, 1, ids, mask)
+      place_example(batch, row, 0, 1, ids, mask)
   return batch

@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from align.data import (FIELDS, BadRecord, DataReport, empty_batch, pair_batch, parse_hh,
+                        read_records, tokenize_pairs, tokenize_sft_records)
 from train import decontam
-from align.data import (FIELDS, BadRecord, DataReport, _empty, pair_batch, parse_hh, read_records,
-                        tokenize_pairs, tokenize_sft_records)
 from train.data import SPLITS, is_validation
 
 PAIR_FIELDS = tuple(f"{side}_{k}" for side in ("chosen", "rejected") for k in FIELDS)
-_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # in memory: no threads
+IN_MEMORY_READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # in memory: no threads
 
 
 # --- Splits and loaders ---
@@ -82,7 +82,9 @@ def split_sources(data_cfg: Mapping[str, Any], split: str):
   return data_cfg["path"], val_fraction
 
 
-def _split_items(data_cfg, split: str, report: DataReport):
+def split_items(data_cfg, split: str, report: DataReport):
+  """The records of one split (see `split_sources`), bad lines counted in `report`; train
+  records of protected evaluation sets are refused (data.decontam)."""
   paths, val_fraction = split_sources(data_cfg, split)
   records = read_records(paths, report)
   if data_cfg.get("validation_path"):
@@ -105,7 +107,7 @@ def load_pair_split(data_cfg: Mapping[str, Any], tokenizer, split: str):
   path, val_fraction, max_len, optional validation_path and drop_turns (default True).
   Bad JSON lines have no record to hash: both splits' reports count them."""
   report = DataReport()
-  pairs = tokenize_pairs(_split_items(data_cfg, split, report), report, tokenizer,
+  pairs = tokenize_pairs(split_items(data_cfg, split, report), report, tokenizer,
                          int(data_cfg["max_len"]), bool(data_cfg.get("drop_turns", True)))
   return pairs, report
 
@@ -113,7 +115,7 @@ def load_pair_split(data_cfg: Mapping[str, Any], tokenizer, split: str):
 def load_sft_split(data_cfg: Mapping[str, Any], tokenizer, split: str):
   """(list of (ids, mask), DataReport) of one split; keys as `load_pair_split`."""
   report = DataReport()
-  examples = tokenize_sft_records(_split_items(data_cfg, split, report), report, tokenizer,
+  examples = tokenize_sft_records(split_items(data_cfg, split, report), report, tokenizer,
                                   int(data_cfg["max_len"]),
                                   bool(data_cfg.get("drop_turns", True)))
   return examples, report
@@ -146,8 +148,8 @@ def _check_args(batch_size: int, seq_len: int, split: str, process_index: int,
     raise ValueError(f"process_index={process_index} not in [0, {process_count})")
 
 
-def _padded_shard(items: list, empty, batch_size: int, process_index: int,
-                  process_count: int) -> grain.MapDataset:
+def padded_shard(items: list, empty, batch_size: int, process_index: int,
+                 process_count: int) -> grain.MapDataset:
   """Validation: `items` padded with `empty` to a multiple of process_count * batch_size,
   then this process's every process_count-th one: one pass, the same number of batches on
   every process."""
@@ -163,7 +165,7 @@ def _pair_row(item, seq_len: int) -> dict:
   exactly), plus ref_chosen_logps/ref_rejected_logps scalars when the reference log-probs
   are cached; an empty pair () -> all 0."""
   pair, ref_2 = item
-  rows_2T = pair_batch([pair], seq_len) if pair else _empty(2, seq_len)
+  rows_2T = pair_batch([pair], seq_len) if pair else empty_batch(2, seq_len)
   row = {f"{side}_{k}": rows_2T[k][i] for i, side in enumerate(("chosen", "rejected"))
          for k in FIELDS}
   if ref_2 is not None:
@@ -189,7 +191,7 @@ def pair_dataset(pairs: Sequence[tuple], *, batch_size: int, seq_len: int, split
   if split == "validation":
     # (), not None: grain datasets treat a None element as filtered out.
     empty = ((), None if ref_logps is None else (0.0, 0.0))
-    ds = _padded_shard(pairs, empty, batch_size, process_index, process_count)
+    ds = padded_shard(pairs, empty, batch_size, process_index, process_count)
   elif not pairs:
     raise ValueError("pair_dataset: no training pairs")
   else:
@@ -197,7 +199,7 @@ def pair_dataset(pairs: Sequence[tuple], *, batch_size: int, seq_len: int, split
     ds = grain.MapDataset.source(pairs).shuffle(seed=seed).repeat()
     ds = ds[process_index::process_count]
   ds = ds.map(functools.partial(_pair_row, seq_len=seq_len))
-  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(_READ)
+  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(IN_MEMORY_READ)
 
 
 def join_pairs(batch: Mapping[str, Any]) -> dict:
@@ -252,13 +254,13 @@ def sft_dataset(examples: Sequence[tuple], *, batch_size: int, seq_len: int, spl
                        "(need 2 to seq_len + 1)")
   bins = max(batch_size, 128) if num_packing_bins is None else num_packing_bins
   if split == "validation":
-    ds = grain.MapDataset.source(list(examples)).to_iter_dataset(_READ)
+    ds = grain.MapDataset.source(list(examples)).to_iter_dataset(IN_MEMORY_READ)
     rows = list(_pack(ds, seq_len, bins, seed, shuffle=False))
-    empty = {k: v[0] for k, v in _empty(1, seq_len).items()}
-    ds = _padded_shard(rows, empty, batch_size, process_index, process_count)
-    return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(_READ)
+    empty = {k: v[0] for k, v in empty_batch(1, seq_len).items()}
+    ds = padded_shard(rows, empty, batch_size, process_index, process_count)
+    return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(IN_MEMORY_READ)
   if not examples:
     raise ValueError("sft_dataset: no training examples")
   ds = grain.MapDataset.source(list(examples)).shuffle(seed=seed).repeat()
-  ds = ds[process_index::process_count].to_iter_dataset(_READ)
+  ds = ds[process_index::process_count].to_iter_dataset(IN_MEMORY_READ)
   return _pack(ds, seq_len, bins, seed, shuffle=True).batch(batch_size, drop_remainder=True)

@@ -26,8 +26,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from align import datasets as ds_lib
-from align.data import (BadRecord, DataReport, _empty, _place, check_messages, encode_chat,
-                        pair_from_record, sft_from_record)
+from align.data import (BadRecord, DataReport, check_messages, empty_batch, encode_chat,
+                        pair_from_record, place_example, sft_from_record)
 from align.logprobs import response_mask, token_logps
 from align.rewards import make_scorer
 from align.tasks import AlignTask
@@ -91,7 +91,7 @@ def load_prompt_split(data_cfg, tokenizer, split: str, max_prompt_len: int, fmt:
       prompts.append(np.asarray(ids[:max_prompt_len], np.int32))
       report.kept += 1
     return prompts, report
-  for where, record in ds_lib._split_items(data_cfg, split, report):
+  for where, record in ds_lib.split_items(data_cfg, split, report):
     try:
       ids, dropped = _chat_prompt(tokenizer, prompt_messages(record), max_prompt_len,
                                   bool(data_cfg.get("drop_turns", True)))
@@ -115,14 +115,14 @@ def prompt_dataset(prompts, *, batch_size: int, max_prompt_len: int, split: str,
   train endless and shuffled, validation one pass padded with empty (length 0) prompts."""
   empty = np.zeros(0, np.int32)
   if split == "validation":
-    ds = ds_lib._padded_shard(list(prompts), empty, batch_size, process_index, process_count)
+    ds = ds_lib.padded_shard(list(prompts), empty, batch_size, process_index, process_count)
   elif not prompts:
     raise ValueError("prompt_dataset: no training prompts")
   else:
     ds = grain.MapDataset.source(list(prompts)).shuffle(seed=seed).repeat()
     ds = ds[process_index::process_count]
   ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len))
-  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(ds_lib._READ)
+  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(ds_lib.IN_MEMORY_READ)
 
 
 def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN) -> list[int]:
@@ -167,7 +167,7 @@ class Rollout:
 def completion_batch(prompts, completions, seq_len: int) -> dict:
   """[B, T] rows of prompt + completion ids (a None completion: an all-0 padding row);
   loss_mask 1 on the completion's targets."""
-  batch = _empty(len(prompts), seq_len)
+  batch = empty_batch(len(prompts), seq_len)
   for b, (prompt, completion) in enumerate(zip(prompts, completions)):
     if completion is None:
       continue
@@ -175,7 +175,7 @@ def completion_batch(prompts, completions, seq_len: int) -> dict:
     mask = np.asarray([0] * len(prompt) + [1] * len(completion), np.int32)
     if len(ids) - 1 > seq_len:
       raise ValueError(f"row {b}: prompt + completion = {len(ids)} tokens > seq_len + 1")
-    _place(batch, b, 0, 1, ids, mask)
+    place_example(batch, b, 0, 1, ids, mask)
   return batch
 
 
@@ -203,7 +203,7 @@ def policy_forward(model, batch, temperature: float):
   (temperature 0, greedy, keeps the raw logits)."""
   x_BTD = model.hidden(batch["inputs"], batch["positions"], batch["segment_ids"],
                        **model_inputs(model.cfg, batch))
-  logits_BTV = model._unembed(x_BTD)  # one forward for logits and a value head's input
+  logits_BTV = model.unembed(x_BTD)  # one forward for logits and a value head's input
   if temperature > 0:
     logits_BTV = logits_BTV / jnp.asarray(temperature, logits_BTV.dtype)
   return x_BTD, logits_BTV

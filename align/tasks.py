@@ -25,7 +25,7 @@ from flax import nnx
 import parallel
 from align import datasets as ds_lib
 from align.lora import init_lora, lora_shardings, merge_lora
-from train.state import _assemble, state_shardings
+from train.state import assemble_state, state_shardings
 from train.task import jit_objective_step, to_global
 
 METHODS = ("sft", "rm", "dpo", "distill")
@@ -144,7 +144,7 @@ class AlignTask:
     else:
       trainable, frozen = params, {}
     frozen.update(self.more_frozen(plan, params, mesh, layout))
-    assemble = lambda p: _assemble(p, tx, self.config.seed)
+    assemble = lambda p: assemble_state(p, tx, self.config.seed)
     # Params by the layout's rules, optimizer state by its opt_rules (ZeRO-1), as pretraining.
     shardings = state_shardings(jax.eval_shape(assemble, trainable), mesh, layout)
     state = jax.jit(assemble, out_shardings=shardings)(trainable)

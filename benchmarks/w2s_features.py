@@ -60,16 +60,16 @@ def _make_forward(model, split: int, final: bool):
     m = nnx.merge(graphdef, state)
     cfg = m.cfg
     positions_BT = default_positions(tokens_BT)
-    x_BTD = m._embed(tokens_BT, positions_BT)
+    x_BTD = m.embed(tokens_BT, positions_BT)
     # The stacked blocks (leading layer axis) cut in two: the middle state is read on the way.
     block_def, block_state = nnx.split(m.blocks)
     halves = [nnx.merge(block_def, jax.tree.map(lambda a: a[sl], block_state))
               for sl in (slice(0, split), slice(split, None))]
-    mid_BTD, _ = run_stack(halves[0], cfg, x_BTD, positions_BT, None, bias_fn=m._bias_fn())
+    mid_BTD, _ = run_stack(halves[0], cfg, x_BTD, positions_BT, None, bias_fn=m.bias_fn())
     states = [("mid", mid_BTD)]
     if final:
-      x_BTD, _ = run_stack(halves[1], cfg, mid_BTD, positions_BT, None, bias_fn=m._bias_fn())
-      states.append(("final", m._final(x_BTD)))
+      x_BTD, _ = run_stack(halves[1], cfg, mid_BTD, positions_BT, None, bias_fn=m.bias_fn())
+      states.append(("final", m.final_hidden(x_BTD)))
     w_BT = resp_BT / jnp.maximum(resp_BT.sum(1, keepdims=True), 1.0)
     out = {}
     for name, h_BTD in states:

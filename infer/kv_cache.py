@@ -172,8 +172,8 @@ class _Slots:
     names = KV_AXES[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B), names)
-    out_BTNH = self._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
-                               bias_fn)
+    out_BTNH = self.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
+                                   bias_fn)
     # In place only the chunk leaves the scan; otherwise the layer's whole updated slice.
     return out_BTNH, ((k_BTKH, v_BTKH) if self.cache is not None else (k_BSKH, v_BSKH))
 
@@ -187,12 +187,14 @@ class _Slots:
     k_BSKH, v_BSKH = write(k_BSKH, kq_BTKH, KV_AXES[1:]), write(v_BSKH, vq_BTKH, KV_AXES[1:])
     k_scale_BSK = write(k_scale_BSK, k_scale_BTK, SCALE_AXES[1:])
     v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
-    out_BTNH = self._attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
-                               dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
-                               segment_ids_BT, cfg, bias_fn)
+    out_BTNH = self.slot_attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
+                                   dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
+                                   segment_ids_BT, cfg, bias_fn)
     return out_BTNH, (k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK)
 
-  def _attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn):
+  def slot_attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn):
+    """Causal attention of the chunk over k_BSKH/v_BSKH, slots already holding the chunk:
+    their segment ids, positions and prefix marks are these slots' own."""
     s = k_BSKH.shape[1]  # the slots read: all, or the first `width`
     prefix_BS = None if self.prefix_BS is None else self.prefix_BS[:, :s]
     return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
@@ -269,8 +271,8 @@ class _LayerWrites:
     w = self.slots.width or self.k_LBSKH.shape[2]
     k_BSKH = constrain(self.k_LBSKH[layer, :, :w], KV_AXES[1:])
     v_BSKH = constrain(self.v_LBSKH[layer, :, :w], KV_AXES[1:])
-    out_BTNH = self.slots._attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
-                                     bias_fn)
+    out_BTNH = self.slots.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT,
+                                         cfg, bias_fn)
     return out_BTNH, None
 
 

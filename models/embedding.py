@@ -11,7 +11,7 @@ from flax import nnx
 
 from models import xent
 from models.config import ModelConfig
-from models.layers import Norm, _param, lookup, project
+from models.layers import Norm, lookup, normal_param, project
 from parallel import constrain
 
 
@@ -20,12 +20,13 @@ class Embeddings(nnx.Module):
 
   def _init_embeddings(self, cfg: ModelConfig, rngs: nnx.Rngs):
     std = cfg.init_std
-    self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg, std)
+    self.embed_VD = normal_param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg, std)
     if cfg.position == "learned":
-      self.pos_PD = _param(rngs, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), cfg, std)
+      self.pos_PD = normal_param(rngs, (cfg.max_seq_len, cfg.d_model), ("positions", "embed"), cfg,
+                                 std)
     if cfg.type_vocab_size:
-      self.type_YD = _param(rngs, (cfg.type_vocab_size, cfg.d_model), ("types", "embed"), cfg,
-                            std)
+      self.type_YD = normal_param(rngs, (cfg.type_vocab_size, cfg.d_model), ("types", "embed"),
+                                  cfg, std)
     if cfg.norm_position == "post":
       # Post-norm blocks take normalised inputs: BERT normalises the embedding sum.
       self.embed_norm = Norm(cfg)
@@ -34,10 +35,12 @@ class Embeddings(nnx.Module):
     """A separate output table unless the embeddings are tied (created last: the init order
     decides which random numbers each table gets)."""
     if not cfg.tie_embeddings:
-      self.unembed_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg,
-                               cfg.init_std)
+      self.unembed_DV = normal_param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg,
+                                     cfg.init_std)
 
-  def _embed(self, tokens_BT, positions_BT=None, type_ids_BT=None):
+  def embed(self, tokens_BT, positions_BT=None, type_ids_BT=None):
+    """x_BTD, the first block's input: token (+ position, + type) embeddings in the compute
+    dtype (normalised for post-norm blocks)."""
     cfg = self.cfg
     dt = cfg.jnp_dtype
     x_BTD = lookup(self.embed_VD, tokens_BT, dt)
@@ -50,7 +53,7 @@ class Embeddings(nnx.Module):
       x_BTD = self.embed_norm(x_BTD)
     return constrain(x_BTD, ("act_batch", "act_res_seq", "act_embed"))
 
-  def _unembed(self, x_BTD):
+  def unembed(self, x_BTD):
     """logits_BTV in float32 from final hidden states (already normalised)."""
     cfg = self.cfg
     if cfg.tie_embeddings:
@@ -73,7 +76,7 @@ class Embeddings(nnx.Module):
 
   def xent_sum(self, x_BTD, targets_BT, weights_BT) -> jax.Array:
     """sum(weights_BT * CE(logits_BTV, targets_BT)) from final hidden states, without ever
-    holding logits_BTV whole: what `token_losses` of `_unembed` gives, summed."""
+    holding logits_BTV whole: what `token_losses` of `unembed` gives, summed."""
     d = x_BTD.shape[-1]
     return xent.xent_sum(x_BTD.reshape(-1, d), self._out_table()[...], targets_BT.reshape(-1),
                          weights_BT.reshape(-1), vocab_major=self.cfg.tie_embeddings,

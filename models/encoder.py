@@ -15,7 +15,7 @@ from flax import nnx
 from models.blocks import make_stack, run_stack
 from models.config import ModelConfig
 from models.embedding import Embeddings
-from models.layers import Norm, _param, _zeros
+from models.layers import Norm, normal_param, zeros_param
 from models.positions import RelativePositionBias, default_positions
 from parallel import constrain
 
@@ -49,9 +49,9 @@ class Encoder(Embeddings):
       self.final_norm = Norm(cfg)
     self._init_unembed(cfg, rngs)
     if cfg.num_classes:
-      self.classifier_DC = _param(rngs, (cfg.d_model, cfg.num_classes), ("embed", None), cfg,
-                                  cfg.init_std)
-      self.classifier_C = _zeros((cfg.num_classes,), (None,), cfg)
+      self.classifier_DC = normal_param(rngs, (cfg.d_model, cfg.num_classes), ("embed", None),
+                                        cfg, cfg.init_std)
+      self.classifier_C = zeros_param((cfg.num_classes,), (None,), cfg)
 
   def encode(self, tokens_BT, positions_BT=None, segment_ids_BT=None, type_ids_BT=None,
              *, return_stats=False):
@@ -60,7 +60,7 @@ class Encoder(Embeddings):
       positions_BT = default_positions(tokens_BT)
     if segment_ids_BT is None:
       segment_ids_BT = jnp.ones(tokens_BT.shape, jnp.int32)
-    x_BTD = self._embed(tokens_BT, positions_BT, type_ids_BT)
+    x_BTD = self.embed(tokens_BT, positions_BT, type_ids_BT)
     bias_fn = self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
     x_BTD, stats = run_stack(self.blocks, self.cfg, x_BTD, positions_BT, segment_ids_BT,
                              causal=False, bias_fn=bias_fn)
@@ -73,7 +73,7 @@ class Encoder(Embeddings):
     """Masked-LM logits_BTV (float32) from the (tied) unembedding: the training objective."""
     x_BTD, stats = self.encode(tokens_BT, positions_BT, segment_ids_BT, type_ids_BT,
                                return_stats=True)
-    logits_BTV = self._unembed(x_BTD)
+    logits_BTV = self.unembed(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
   def embed_sentences(self, tokens_BT, mask_BT, type_ids_BT=None) -> jax.Array:

@@ -51,7 +51,7 @@ class EncoderDecoder(Embeddings):
       enc_positions_BS = default_positions(enc_inputs_BS)
     if enc_segment_ids_BS is None:
       enc_segment_ids_BS = _ones(enc_inputs_BS)
-    x_BSD = self._embed(enc_inputs_BS, enc_positions_BS)
+    x_BSD = self.embed(enc_inputs_BS, enc_positions_BS)
     x_BSD, _ = run_stack(self.enc_blocks, cfg, x_BSD, enc_positions_BS, enc_segment_ids_BS,
                          causal=False, bias_fn=self._bias_fn("enc_rel_bias"))
     return self.enc_norm(x_BSD) if cfg.norm_position == "pre" else x_BSD
@@ -69,11 +69,11 @@ class EncoderDecoder(Embeddings):
     if enc_segment_ids_BS is None:
       enc_segment_ids_BS = _ones(enc_inputs_BS)
     enc_BSD = self.encode(enc_inputs_BS, enc_positions_BS, enc_segment_ids_BS)
-    x_BTD = self._embed(tokens_BT, positions_BT)
+    x_BTD = self.embed(tokens_BT, positions_BT)
     x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, None,
                              enc_BSD, enc_segment_ids_BS, causal=True,
                              bias_fn=self._bias_fn("dec_rel_bias"))
-    logits_BTV = self._logits(x_BTD)
+    logits_BTV = self.logits(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
   def cross_kv(self, enc_BSD):
@@ -85,15 +85,15 @@ class EncoderDecoder(Embeddings):
   def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None, *,
              enc_kv, enc_segment_ids_BS):
     """Cached decoder step (see Transformer.decode) over `enc_kv = cross_kv(encode(...))`."""
-    x_BTD = self._embed(tokens_BT, positions_BT)
+    x_BTD = self.embed(tokens_BT, positions_BT)
     x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
                                        layers_cache, cache, per_layer={"enc_kv": enc_kv},
                                        bias_fn=self._bias_fn("dec_rel_bias"),
                                        enc_segment_ids_BS=enc_segment_ids_BS)
     if last_B is None:
-      return self._logits(x_BTD), layers_cache
+      return self.logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
-    return self._logits(x_B1D)[:, 0], layers_cache
+    return self.logits(x_B1D)[:, 0], layers_cache
 
   def check_inputs(self, tokens_BT, enc_inputs_BS):
     if tokens_BT.shape[0] != enc_inputs_BS.shape[0]:
@@ -103,9 +103,11 @@ class EncoderDecoder(Embeddings):
   def _bias_fn(self, name):
     return getattr(self, name).bias_fn() if self.cfg.position == "relative" else None
 
-  def _logits(self, x_BTD):
+  def logits(self, x_BTD):
+    """logits_BTV (float32) of the last decoder block's output x_BTD: final norm, T5's
+    d_model**-0.5 scale when tied, unembedding."""
     if self.cfg.norm_position == "pre":
       x_BTD = self.final_norm(x_BTD)
     if self.cfg.tie_embeddings:
       x_BTD = x_BTD * jnp.asarray(self.cfg.d_model ** -0.5, x_BTD.dtype)
-    return self._unembed(x_BTD)
+    return self.unembed(x_BTD)

@@ -89,12 +89,12 @@ def quantized_params(tensors, abstract_params) -> tuple[dict, set]:
   float path. `tensors` is a gguf_io.GGUFTensors, `abstract_params` the model's Param state.
   """
   cfg = tensors.cfg
-  table, out, used = hf_io._name_table(cfg), {}, set()
+  table, out, used = hf_io.name_table(cfg), {}, set()
   for path, var in nnx.to_flat_state(abstract_params):
     name = str(path[-1])
     if name not in CONTRACTS:
       continue  # norms stay float
-    template, _ = hf_io._lookup(table, path)
+    template, _ = hf_io.lookup_name(table, path)
     shape = tuple(var.get_value().shape)
     stacked = template.count("{")
     hf_names = [template.format(*i) for i in np.ndindex(*shape[:stacked])]

@@ -169,7 +169,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
           "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
 
 
-def _name_table(cfg: ModelConfig) -> dict:
+def name_table(cfg: ModelConfig) -> dict:
   """Our param path -> (HF name template, n_in) for this config's architecture."""
   layer = {**_LAYER, **(_MOE_MLP if cfg.is_moe else _DENSE_MLP)}
   return {**_GLOBAL,
@@ -177,7 +177,8 @@ def _name_table(cfg: ModelConfig) -> dict:
              for path, (name, n_in) in layer.items()}}
 
 
-def _lookup(table: dict, path: tuple) -> tuple[str, int]:
+def lookup_name(table: dict, path: tuple) -> tuple[str, int]:
+  """(HF name template, n_in) of param `path` in a `name_table`; ValueError if it has none."""
   if path not in table:  # e.g. MoE extras that config_to_hf rejects first
     raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face equivalent")
   return table[path]
@@ -282,9 +283,9 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.n
   if cfg.is_moe:
     read, names = _unfuse_experts(cfg, read, names)
   np_dtype = np.dtype(cfg.jnp_param_dtype)
-  table, tensors, out = _name_table(cfg), TensorReader(read, list(names)), {}
+  table, tensors, out = name_table(cfg), TensorReader(read, list(names)), {}
   for path, var in nnx.to_flat_state(abstract_params):
-    template, n_in = _lookup(table, path)
+    template, n_in = lookup_name(table, path)
     out[path] = tensors.stacked(template, tuple(var.get_value().shape), n_in, np_dtype)
   ignorable = {n for n in tensors.files if n.endswith("rotary_emb.inv_freq")}
   if cfg.tie_embeddings:
@@ -298,10 +299,10 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.n
 
 def params_to_hf(model) -> dict[str, np.ndarray]:
   """{Hugging Face name: numpy array} from a Transformer, in its param dtype."""
-  table, tensors = _name_table(model.cfg), {}
+  table, tensors = name_table(model.cfg), {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     arr = np.asarray(var.get_value())
-    template, n_in = _lookup(table, path)
+    template, n_in = lookup_name(table, path)
     for index in np.ndindex(*arr.shape[:template.count("{")]):
       a = arr[index]
       a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T if n_in else a

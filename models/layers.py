@@ -18,13 +18,15 @@ from models.config import ModelConfig
 from parallel import constrain
 
 
-def _param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape, names, cfg: ModelConfig, std: float) -> nnx.Param:
+  """A Param of N(0, std^2) values in cfg's param dtype, its axes named `names`."""
   value = std * jax.random.normal(rngs.params(), shape, cfg.jnp_param_dtype)
   # Shardings are applied by parallel/ when the model is created under jit.
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def _zeros(shape, names, cfg: ModelConfig) -> nnx.Param:
+def zeros_param(shape, names, cfg: ModelConfig) -> nnx.Param:
+  """A Param of zeros (a bias) in cfg's param dtype, its axes named `names`."""
   return nnx.Param(jnp.zeros(shape, cfg.jnp_param_dtype), out_sharding=names,
                    eager_sharding=False)
 
@@ -74,7 +76,7 @@ class LayerNorm(RMSNorm):
 
   def __init__(self, cfg: ModelConfig):
     super().__init__(cfg)
-    self.bias = _zeros((cfg.d_model,), ("embed",), cfg)
+    self.bias = zeros_param((cfg.d_model,), ("embed",), cfg)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     x = x_BTD.astype(jnp.float32)
@@ -116,15 +118,15 @@ class Attention(nnx.Module):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.cfg = cfg
     std = cfg.init_std
-    self.wq_DNH = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg, std)
-    self.wk_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
-    self.wv_DKH = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
-    self.wo_NHD = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg, std)
+    self.wq_DNH = normal_param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg, std)
+    self.wk_DKH = normal_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
+    self.wv_DKH = normal_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
+    self.wo_NHD = normal_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg, std)
     if cfg.use_bias:
-      self.bq_NH = _zeros((n, h), ("heads", "head_dim"), cfg)
-      self.bk_KH = _zeros((k, h), ("kv_heads", "head_dim"), cfg)
-      self.bv_KH = _zeros((k, h), ("kv_heads", "head_dim"), cfg)
-      self.bo_D = _zeros((d,), ("embed",), cfg)
+      self.bq_NH = zeros_param((n, h), ("heads", "head_dim"), cfg)
+      self.bk_KH = zeros_param((k, h), ("kv_heads", "head_dim"), cfg)
+      self.bv_KH = zeros_param((k, h), ("kv_heads", "head_dim"), cfg)
+      self.bo_D = zeros_param((d,), ("embed",), cfg)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
                bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None):
@@ -220,14 +222,14 @@ class MLP(nnx.Module):
     self.use_bias = cfg.use_bias
     self.matmul = cfg.matmul
     if self.gated:
-      self.gate_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
-    self.up_DF = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
-    self.down_FD = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.init_std)
+      self.gate_DF = normal_param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
+    self.up_DF = normal_param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.init_std)
+    self.down_FD = normal_param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.init_std)
     if cfg.use_bias:
       if self.gated:
-        self.gate_F = _zeros((f,), ("mlp",), cfg)
-      self.up_F = _zeros((f,), ("mlp",), cfg)
-      self.down_D = _zeros((d,), ("embed",), cfg)
+        self.gate_F = zeros_param((f,), ("mlp",), cfg)
+      self.up_F = zeros_param((f,), ("mlp",), cfg)
+      self.down_D = zeros_param((d,), ("embed",), cfg)
 
   @property
   def gated(self) -> bool:

@@ -20,7 +20,7 @@ from flax import nnx
 import parallel
 from models import moe_dispatch
 from models.config import ModelConfig
-from models.layers import MLP, _param
+from models.layers import MLP, normal_param
 
 
 def _top_k_indices(scores_BTE, k: int):
@@ -80,14 +80,14 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f, e = cfg.d_model, cfg.mlp_dim, cfg.num_experts
     self.cfg = cfg
-    self.router_DE = _param(rngs, (d, e), ("embed", None), cfg, cfg.init_std)
+    self.router_DE = normal_param(rngs, (d, e), ("embed", None), cfg, cfg.init_std)
     if cfg.router_bias_rate:
       # Updated by train/step.py from the measured load, not by the optimizer.
       self.router_bias_E = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,),
                                      eager_sharding=False)
-    self.gate_EDF = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg, cfg.init_std)
-    self.up_EDF = _param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg, cfg.init_std)
-    self.down_EFD = _param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg, cfg.init_std)
+    self.gate_EDF = normal_param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg, cfg.init_std)
+    self.up_EDF = normal_param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg, cfg.init_std)
+    self.down_EFD = normal_param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg, cfg.init_std)
     if cfg.shared_mlp_dim:
       self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim, num_experts=0), rngs)
 

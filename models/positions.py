@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import _param
+from models.layers import normal_param
 
 
 def relative_buckets(rel_BTS, *, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -45,8 +45,8 @@ class RelativePositionBias(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, bidirectional: bool):
     self.bidirectional = bidirectional
     self.num_buckets, self.max_distance = cfg.relative_buckets, cfg.relative_max_distance
-    self.table_RN = _param(rngs, (cfg.relative_buckets, cfg.num_heads), ("rel_buckets", "heads"),
-                           cfg, cfg.init_std)
+    self.table_RN = normal_param(rngs, (cfg.relative_buckets, cfg.num_heads),
+                                 ("rel_buckets", "heads"), cfg, cfg.init_std)
 
   def bias_fn(self):
     """`bias_fn(q_pos_BT, kv_pos_BS) -> bias_BNTS` for models.attention (closes over the table)."""

@@ -39,7 +39,7 @@ class Transformer(Embeddings):
     """prefix_BT (arch="prefix_lm" only): 1 marks the bidirectional prompt tokens of a row."""
     x_BTD, stats = self.hidden(tokens_BT, positions_BT, segment_ids_BT, prefix_BT=prefix_BT,
                                return_stats=True)
-    logits_BTV = self._unembed(x_BTD)
+    logits_BTV = self.unembed(x_BTD)
     return (logits_BTV, stats) if return_stats else logits_BTV
 
   def hidden(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, prefix_BT=None,
@@ -51,10 +51,10 @@ class Transformer(Embeddings):
       raise ValueError(f"prefix_BT is the prefix-LM's input; this model has arch={cfg.arch!r}")
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT)
-    x_BTD = self._embed(tokens_BT, positions_BT)
+    x_BTD = self.embed(tokens_BT, positions_BT)
     x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, prefix_BT,
-                             bias_fn=self._bias_fn())
-    x_BTD = self._final(x_BTD)
+                             bias_fn=self.bias_fn())
+    x_BTD = self.final_hidden(x_BTD)
     return (x_BTD, stats) if return_stats else x_BTD
 
   def decode(self, tokens_BT, positions_BT, segment_ids_BT, layers_cache, cache, last_B=None):
@@ -68,21 +68,24 @@ class Transformer(Embeddings):
     A scan over layers, or a loop over per-layer Blocks where models/layer_weights.py
     unstacked them; pipelines are for training.
     """
-    x_BTD = self._embed(tokens_BT, positions_BT)
+    x_BTD = self.embed(tokens_BT, positions_BT)
     x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
-                                       layers_cache, cache, bias_fn=self._bias_fn())
+                                       layers_cache, cache, bias_fn=self.bias_fn())
     if last_B is None:
-      return self._logits(x_BTD), layers_cache
+      return self.logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
-    return self._logits(x_B1D)[:, 0], layers_cache
+    return self.logits(x_B1D)[:, 0], layers_cache
 
-  def _bias_fn(self):
+  def bias_fn(self):
+    """The relative position bias every block's attention adds (models.blocks.run_stack's
+    `bias_fn`), or None."""
     return self.rel_bias.bias_fn() if self.cfg.position == "relative" else None
 
-  def _final(self, x_BTD):
-    """The final norm of a pre-norm stack (post-norm blocks end normalised already)."""
+  def final_hidden(self, x_BTD):
+    """The final hidden states of the last block's output x_BTD: the final norm of a pre-norm
+    stack (post-norm blocks end normalised already)."""
     return self.final_norm(x_BTD) if self.cfg.norm_position == "pre" else x_BTD
 
-  def _logits(self, x_BTD):
-    """Final norm and unembedding, in float32."""
-    return self._unembed(self._final(x_BTD))
+  def logits(self, x_BTD):
+    """logits_BTV (float32) of the last block's output x_BTD: final norm, then unembedding."""
+    return self.unembed(self.final_hidden(x_BTD))

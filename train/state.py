@@ -20,7 +20,8 @@ def abstract_model(model_cfg: ModelConfig):
   return nnx.split(models.abstract_model(model_cfg), nnx.Param)
 
 
-def _assemble(params, tx, seed):
+def assemble_state(params, tx, seed):
+  """The train state of `params` at step 0: `tx`'s fresh optimizer state, the rng of `seed`."""
   return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32),
           "rng": jax.random.key_data(jax.random.key(seed))}
 
@@ -42,17 +43,17 @@ def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
   the rule-derived shardings instead of being initialised.
   """
   graphdef, abstract_params = abstract_model(model_cfg)
-  abstract = jax.eval_shape(lambda p: _assemble(p, tx, seed), abstract_params)
+  abstract = jax.eval_shape(lambda p: assemble_state(p, tx, seed), abstract_params)
   layout = parallel.get_layout("data_parallel") if layout is None else layout
   shardings = state_shardings(abstract, mesh, layout)
 
   if params is None:
     def init():
       model = create_model(model_cfg, nnx.Rngs(seed))
-      return _assemble(nnx.state(model, nnx.Param), tx, seed)
+      return assemble_state(nnx.state(model, nnx.Param), tx, seed)
     with jax.set_mesh(mesh):
       state = jax.jit(init, out_shardings=shardings)()
   else:
     params = jax.device_put(params, shardings["params"])
-    state = jax.jit(lambda p: _assemble(p, tx, seed), out_shardings=shardings)(params)
+    state = jax.jit(lambda p: assemble_state(p, tx, seed), out_shardings=shardings)(params)
   return graphdef, state, shardings

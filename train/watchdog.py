@@ -58,7 +58,8 @@ def _dump_stacks(stream: IO) -> None:
     faulthandler.dump_traceback(file=stream, all_threads=True)
   except (AttributeError, ValueError, io.UnsupportedOperation):
     names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
+    frames = sys._current_frames()  # noqa: SLF001 stdlib's only way to every thread's frame
+    for ident, frame in frames.items():
       stream.write(f"\nThread {ident:#x} ({names.get(ident, '?')}):\n")
       stream.write("".join(traceback.format_stack(frame)))
   stream.flush()
@@ -209,7 +210,7 @@ class PeerMonitor:
       raise ValueError(f"PeerMonitor needs timeout_s >= 3 * poll_s, got timeout_s={timeout_s}, "
                        f"poll_s={poll_s}")
     if client is None:
-      from jax._src import distributed
+      from jax._src import distributed  # noqa: PLC2701 no public jax API for the KV client
       client = distributed.global_state.client
       if client is None:
         raise RuntimeError("PeerMonitor: jax.distributed is not initialized")

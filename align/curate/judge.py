@@ -115,7 +115,7 @@ def _last_logits(graphdef, state, tokens_BT, last_B):
   segment_ids_BT = (jnp.arange(tokens_BT.shape[1])[None] <= last_B[:, None]).astype(jnp.int32)
   x_BTD = model.hidden(tokens_BT, None, segment_ids_BT)
   x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)
-  return jax.nn.log_softmax(model._unembed(x_B1D)[:, 0].astype(jnp.float32), axis=-1)
+  return jax.nn.log_softmax(model.unembed(x_B1D)[:, 0].astype(jnp.float32), axis=-1)
 
 
 class PairwiseJudge:

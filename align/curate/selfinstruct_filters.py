@@ -17,7 +17,7 @@ import collections
 import re
 import string
 
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 
 MIN_WORDS, MAX_WORDS = 3, 150  # kept iff MIN_WORDS < words <= MAX_WORDS
 # The paper's list (its code adds the plurals); whole words, any case.
@@ -100,7 +100,10 @@ class RougePool:
   """
 
   def __init__(self, instructions=()):
-    self.scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    # The scorer's own tokenizer (what RougeScorer(use_stemmer=False) builds), kept here to
+    # tokenize each text once.
+    self.tokenizer = tokenizers.DefaultTokenizer(use_stemmer=False)
+    self.scorer = rouge_scorer.RougeScorer(["rougeL"], tokenizer=self.tokenizer)
     self.texts: list[str] = []
     self.tokens: list[list[str]] = []
     self.bags: list[collections.Counter] = []
@@ -108,7 +111,7 @@ class RougePool:
       self.add(t)
 
   def tokenize(self, text: str) -> list[str]:
-    return self.scorer._tokenizer.tokenize(text)
+    return self.tokenizer.tokenize(text)
 
   def add(self, text: str) -> None:
     self.texts.append(text)
@@ -126,10 +129,11 @@ class RougePool:
         bounds.append((2 * sum((bag & other).values()) / total, i))
     bounds.sort(reverse=True)
     best, best_i = 0.0, None
+    score_lcs = rouge_scorer._score_lcs  # noqa: SLF001 rouge-score's LCS of token lists, not public
     for bound, i in bounds:
       if bound <= best:
         break
-      f = rouge_scorer._score_lcs(self.tokens[i], toks).fmeasure
+      f = score_lcs(self.tokens[i], toks).fmeasure
       if f > best:
         best, best_i = f, i
     return best, (self.texts[best_i] if best_i is not None else None)

@@ -137,7 +137,7 @@ class BlockHessians:
     self.pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     self.segs = jnp.ones(ids.shape, jnp.int32)
     self.chunks = [slice(i, i + batch) for i in range(0, len(ids), batch)]
-    self.outputs = [model._embed(jnp.asarray(ids[c])) for c in self.chunks]
+    self.outputs = [model.embed(jnp.asarray(ids[c])) for c in self.chunks]
 
   def run(self, block):
     return [block(x, self.pos[c], self.segs[c])[0] for x, c in zip(self.outputs, self.chunks)]
@@ -191,7 +191,7 @@ def gptq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, damp:
                          "on more text)") from e
   xs = walk.outputs   # the last block's outputs, every block's quantization error included
   if "unembed_DV" in plan:
-    h = _hessians(model, ["unembed_DV"], lambda m: [m._logits(x) for x in xs])[0]["unembed_DV"]
+    h = _hessians(model, ["unembed_DV"], lambda m: [m.logits(x) for x in xs])[0]["unembed_DV"]
     results[("unembed_DV", None)] = _solve(model, "unembed_DV", plan["unembed_DV"], h, options)
 
   rest = [(f"^{p}$", f.name) for p, f in plan.items() if p != "embed_VD"]

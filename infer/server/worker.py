@@ -32,7 +32,8 @@ class Generation:
     self.error: str | None = None
     self.invalid = False  # the engine refused the request (a client error, not a model error)
 
-  def _put(self, token: Token) -> None:
+  def deliver(self, token: Token) -> None:
+    """Hands `token` to `sink` on the event loop; safe from any thread (call_soon_threadsafe)."""
     self.loop.call_soon_threadsafe(self.sink.put_nowait, (self, token))
 
 
@@ -74,7 +75,7 @@ class EngineWorker:
     gen = Generation(asyncio.get_running_loop(), sink)
     if not self.alive:  # fail fast: no thread will ever answer
       gen.error = self.dead or "the engine is stopped"
-      gen._put(Token(-1, "", None, "error"))
+      gen.deliver(Token(-1, "", None, "error"))
       return gen
     self._inbox.put(("add", gen, (prompt_ids, params)))
     return gen
@@ -117,7 +118,7 @@ class EngineWorker:
     for gen in gens:
       gen.error = reason
       try:
-        gen._put(Token(-1, "", None, "error"))
+        gen.deliver(Token(-1, "", None, "error"))
       except RuntimeError:  # its event loop is closed: nobody is waiting
         pass
 
@@ -145,7 +146,7 @@ class EngineWorker:
         gen.rid = self.engine.add_request(prompt_ids, params)
       except ValueError as e:
         gen.error, gen.invalid = str(e), True
-        gen._put(Token(-1, "", None, "error"))
+        gen.deliver(Token(-1, "", None, "error"))
         return
       self._live[gen.rid] = gen
     elif kind == "abort" and gen.rid is not None and gen.rid in self._live:
@@ -164,7 +165,7 @@ class EngineWorker:
                     len(self._live))
       for rid, gen in list(self._live.items()):
         gen.error = f"the engine failed: {type(e).__name__}: {str(e)[:200]}"
-        gen._put(Token(-1, "", None, "error"))
+        gen.deliver(Token(-1, "", None, "error"))
         self.engine.abort(rid)
       self._live.clear()
       self.engine.reset()  # the failed step may have consumed the donated KV pool
@@ -177,7 +178,7 @@ class EngineWorker:
         result = self.engine.release(rid)
         del self._live[rid]
         gen.error = result.error
-      gen._put(token)
+      gen.deliver(token)
 
 
 class Versions:

@@ -107,7 +107,7 @@ class QArray:
     offset = None if self.offset is None else jnp.expand_dims(self.offset, self._row_axis)
     return dequantize_values(codes, scale, offset, self.fmt, xp=jnp).astype(dtype)
 
-  def _values(self, dtype):
+  def grouped_values(self, dtype):
     """All values, rows of each group in order: [*lead, G, g, M] or [*lead, M, G, g]."""
     parts = [self._dequant(c, dtype) for c, _ in self._planes()]
     return jnp.concatenate(parts, axis=self._row_axis) if len(parts) > 1 else parts[0]
@@ -117,8 +117,8 @@ class QArray:
     lead = self.codes.shape[:self._lead]
     ordered = (self.out_letters + self.in_letters if self.out_first
                else self.in_letters + self.out_letters)
-    w = self._values(dtype).reshape(lead + tuple(self.dims[self.letters.index(c)]
-                                                 for c in ordered))
+    w = self.grouped_values(dtype).reshape(lead + tuple(self.dims[self.letters.index(c)]
+                                                        for c in ordered))
     perm = [ordered.index(c) for c in self.letters]
     return jnp.transpose(w, list(range(len(lead))) + [len(lead) + p for p in perm])
 
@@ -141,17 +141,18 @@ class QArray:
     x_NGg = x.reshape(-1, groups, self.k // groups).astype(dtype)
     count, width = _slices(self.k, self.m)
     if count <= 1:
-      y_NM = self._matmul(x_NGg, dtype, preferred_element_type)
+      y_NM = self.matmul_groups(x_NGg, dtype, preferred_element_type)
     else:
       # A large weight (an LM head) is dequantized `width` outputs at a time, so each
       # float slice stays in cache instead of the whole float matrix streaming to memory.
       m_axis = 0 if self.out_first else -1
       body = self._cut(0, count * width, m_axis, (count, width))
-      y_CNM = jax.lax.map(lambda q: q._matmul(x_NGg, dtype, preferred_element_type), body)
+      y_CNM = jax.lax.map(lambda q: q.matmul_groups(x_NGg, dtype, preferred_element_type), body)
       y_NM = jnp.moveaxis(y_CNM, 0, 1).reshape(x_NGg.shape[0], count * width)
       if count * width < self.m:
         tail = self._cut(count * width, self.m, m_axis, None)
-        y_NM = jnp.concatenate([y_NM, tail._matmul(x_NGg, dtype, preferred_element_type)], -1)
+        y_tail = tail.matmul_groups(x_NGg, dtype, preferred_element_type)
+        y_NM = jnp.concatenate([y_NM, y_tail], -1)
     return y_NM.reshape(x.shape[:len(batch)] + tuple(self.dims[self.letters.index(c)]
                                                      for c in self.out_letters))
 
@@ -169,7 +170,8 @@ class QArray:
     return dataclasses.replace(self, codes=cut(self.codes), scale=cut(self.scale),
                                offset=cut(self.offset))
 
-  def _matmul(self, x_NGg, dtype, preferred_element_type):
+  def matmul_groups(self, x_NGg, dtype, preferred_element_type):
+    """y_NM = x @ w for x already cut into this weight's G groups of g rows (see `einsum`)."""
     # One contraction axis (groups and rows flattened): XLA:CPU runs a dot with two
     # contracting axes several times slower.
     y_NM = None
@@ -195,7 +197,7 @@ class QArray:
                                  scale=jnp.take(self.scale, flat, axis=0),
                                  offset=None if self.offset is None
                                  else jnp.take(self.offset, flat, axis=0))
-    return picked._values(dtype).reshape(ids.shape + (self.k,))
+    return picked.grouped_values(dtype).reshape(ids.shape + (self.k,))
 
 
 # Weights above this many elements are multiplied in slices of outputs (see QArray.einsum).
