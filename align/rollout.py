@@ -317,12 +317,15 @@ class OnPolicyTask(AlignTask):
 
   # --- params ---
 
+  def make_optimizer(self, config):
+    if self.updates == 1:
+      return super().make_optimizer(config)
+    # several updates a step: the schedule counts optimizer updates, so stretch it to match
+    opt = ConfigDict(config.optimizer.to_dict())
+    opt.warmup_steps = int(opt.warmup_steps) * self.updates
+    return make_optimizer(opt, config.steps * self.updates)
+
   def init_state(self, plan, tx, mesh, layout):
-    if self.updates > 1:  # the schedule counts optimizer updates: stretch it to match
-      opt = ConfigDict(self.config.optimizer.to_dict())
-      opt.warmup_steps = int(opt.warmup_steps) * self.updates
-      tx, self.schedule = make_optimizer(opt, self.config.steps * self.updates)
-    self.tx = tx
     out = super().init_state(plan, tx, mesh, layout)
     self.sampler = Sampler(self.graphdef, plan.tokenizer, self.config.seq_len,
                            self.config.batch_size)
@@ -350,8 +353,8 @@ class OnPolicyTask(AlignTask):
 
   def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
     if self.updates == 1:  # one update a rollout: the shared objective step (grad_accum too)
-      return super().step_fn(self.tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan)
-    step = functools.partial(update_step, loss_fn=self.loss, tx=self.tx, schedule=self.schedule,
+      return super().step_fn(tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan)
+    step = functools.partial(update_step, loss_fn=self.loss, tx=tx, schedule=schedule,
                              epochs=self.epochs, minibatches=self.minibatches,
                              seed=self.config.seed, inject_nan=inject_nan)
     return jax.jit(step, in_shardings=(shardings, None, frozen_shardings),

@@ -25,6 +25,7 @@ from flax import nnx
 import parallel
 from align import datasets as ds_lib
 from align.lora import init_lora, lora_shardings, merge_lora
+from train.optimizer import make_optimizer
 from train.state import assemble_state, state_shardings
 from train.task import jit_objective_step, to_global
 
@@ -108,6 +109,10 @@ class AlignTask:
     return None
 
   # --- params ---
+
+  def make_optimizer(self, config):
+    """(tx, schedule): AdamW as pretraining's (train/optimizer.py)."""
+    return make_optimizer(config.optimizer, config.steps)
 
   def build_module(self, plan, rngs):
     """The nnx module trained (a Transformer; a RewardModel for `rm`)."""

@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import parallel
@@ -204,3 +205,53 @@ def test_idle_writer_saves_at_idle_priority_and_restores(tmp_path):
   assert lines["helper"] == "[True]", out.stdout
   assert lines["pools"].split()[1] == "True" and int(lines["pools"].split()[0]) > 0, out.stdout
   assert lines["main"] == "True", out.stdout
+
+
+# --- the loop's hooks and layering ---
+
+TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train")
+# Known upward imports, each lazy inside a function: the CLI (moving to cli/) and the
+# decontamination check of the data pipeline.
+UPWARD_EXEMPT = {"cli.py", "data.py"}
+
+
+def test_train_imports_nothing_from_align_or_infer():
+  import ast
+  upward = []
+  for name in sorted(os.listdir(TRAIN_DIR)):
+    if not name.endswith(".py") or name in UPWARD_EXEMPT:
+      continue
+    tree = ast.parse(open(os.path.join(TRAIN_DIR, name)).read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        modules = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        modules = [node.module or ""]
+      else:
+        continue
+      upward += [f"{name}: {m}" for m in modules if m.split(".")[0] in ("align", "infer")]
+  assert not upward, upward
+
+
+class _RefusingGate:
+  def validate(self, task):
+    raise ValueError("refused")
+
+  def start(self, workdir, plan, model, start_step):
+    raise AssertionError("a refused gate never starts")
+
+
+def test_a_gate_is_validated_before_the_workdir_is_written(tmp_path):
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match="refused"):
+    train(tiny_config(), str(workdir), gate=_RefusingGate())
+  assert not workdir.exists()
+
+
+def test_a_gated_config_without_a_gate_is_refused(tmp_path):
+  config = tiny_config()
+  config.eval_gate.every = 2
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match="make_gate"):
+    train(config, str(workdir))
+  assert not workdir.exists()

@@ -121,11 +121,13 @@ def run_train(fv, command: str = "train") -> None:
   from train import exit_codes
   from train.fault import Preempted
   from train.watchdog import PeerMonitor
+  from align.evals.promote import make_gate  # the eval_gate hook train() runs (train/gate.py)
   # Started before compilation so that start-up is covered too; no-op for one process.
   monitor = PeerMonitor(timeout_s=config.peer_timeout_seconds, poll_s=1.0)
   try:
     last = train(config, fv["workdir"].value, task=make_task(command, config,
-                                                             fv["workdir"].value))
+                                                             fv["workdir"].value),
+                 gate=make_gate(config))
   except Preempted as e:
     print(f"meshlm: {e}", flush=True)
     raise SystemExit(exit_codes.PREEMPTED) from e

@@ -1,10 +1,12 @@
 """What a training run optimises: the piece of the loop that differs between pretraining,
 SFT, reward models, DPO and distillation.
 
-train/loop.py owns everything else (mesh, optimizer, checkpoints, resume, preemption,
-anomalies, watchdog, metrics); a Task supplies
+train/loop.py owns everything else (mesh, checkpoints, resume, preemption, anomalies,
+watchdog, metrics); a Task supplies
 
   datasets(plan)                 {"train": grain dataset (endless), "validation": one pass}
+  make_optimizer(config)         (tx, schedule): the optimizer the loop steps with (on-policy
+                                 RL stretches the schedule over several updates a step)
   init_state(plan, tx, mesh, layout)
                                  (state, shardings, frozen, frozen_shardings): `state` is the
                                  train state of train/state.py over the *trainable* params;
@@ -16,7 +18,8 @@ anomalies, watchdog, metrics); a Task supplies
                                  before the step, with the current state (PPO/GRPO rollouts);
                                  deterministic in (state, batch, step) so resume is exact
   finish(state, frozen, step, plan) (optional): after the last step (a LoRA run's export)
-  eval_model(state, frozen) (optional): the generating model at `state`, for eval_gate
+  eval_model(state, frozen) (optional): the generating model at `state`, for an evaluation
+                                 gate (train/gate.py)
 
 LMTask is next-token prediction over train/data.py's packed rows (also the SFT loss: rows
 carry a loss_mask). align/tasks.py holds the alignment tasks.
@@ -32,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import parallel
 from train import global_data
 from train import step as step_lib
+from train.optimizer import make_optimizer
 from train.state import create_train_state
 
 
@@ -65,6 +69,10 @@ class LMTask:
         split=split, seed=c.seed, num_shards=c.data.num_shards, arch=plan.model_cfg.arch,
         vocab_size=plan.model_cfg.vocab_size) for split in ("train", "validation")}
 
+  def make_optimizer(self, config):
+    """(tx, schedule): AdamW with warmup and cosine decay over config.steps."""
+    return make_optimizer(config.optimizer, config.steps)
+
   def init_state(self, plan, tx, mesh, layout):
     self.graphdef, state, shardings = create_train_state(
         plan.model_cfg, tx, mesh, self.config.seed, layout, params=plan.init_params)
@@ -78,7 +86,7 @@ class LMTask:
     return lambda state, batch, frozen: step(state, batch)
 
   def eval_model(self, state, frozen):
-    """The model at `state`, for the evaluation gate (align/evals/promote.py)."""
+    """The model at `state`, for an evaluation gate (train/gate.py)."""
     from flax import nnx
     return nnx.merge(self.graphdef, state["params"])
 

@@ -12,6 +12,9 @@ Config (train/defaults.py, `eval_gate`):
   judge      the helpfulness judge checkpoint; empty: a frozen copy of the model as this
              invocation started (one judge for every step, never the model judging itself)
 
+make_gate(config) builds the loop's hook (train/gate.py) from the config, None when
+eval_gate.every is 0; the caller passes it to train(gate=...).
+
 Each evaluation writes WORKDIR/evals/step_N/{report.json,report.html,responses.jsonl,
 gate.json}. A step that passes is exported to WORKDIR/promoted/ (a plain loadable workdir,
 so checkpoint rotation never deletes it: `meshlm generate|eval --model WORKDIR/promoted`)
@@ -22,7 +25,10 @@ why. Training continues either way: a later step may pass again.
 import os
 import shutil
 
+import jax
+
 from align.evals import cli, gate
+from train.gate import gate_configured
 
 GENERATING_ARCHS = ("decoder", "prefix_lm")
 
@@ -73,9 +79,29 @@ def validate(cfg, process_count: int, decontam_cfg=None, *, task_name: str = "lm
     raise ValueError("eval_gate runs in single-process runs only (its generation is local)")
 
 
+def make_gate(config) -> "PromotionGate | None":
+  """The evaluation gate of `config.eval_gate` for train(gate=...); None when it is off."""
+  return PromotionGate(config) if gate_configured(config) else None
+
+
+class PromotionGate:
+  """The loop's hook (train/gate.py): validates config.eval_gate, then starts a Promoter."""
+
+  def __init__(self, config):
+    self.config, self.cfg = config, config.eval_gate
+
+  def validate(self, task) -> None:
+    if not hasattr(task, "eval_model"):
+      raise ValueError(f"eval_gate: the {task.name} task has no generating model to evaluate")
+    validate(self.cfg, jax.process_count(), self.config.data.get("decontam"),
+             task_name=task.name, arch=self.config.model.arch)
+
+  def start(self, workdir: str, plan, model, start_step: int) -> "Promoter":
+    return Promoter(self.cfg, workdir, plan, model, start_step)
+
+
 def _frozen_copy(model):
   """The model with its own copy of every array: the training step donates the originals."""
-  import jax
   import jax.numpy as jnp
   from flax import nnx
   graphdef, state = nnx.split(model)
@@ -83,7 +109,7 @@ def _frozen_copy(model):
 
 
 class Promoter:
-  """The loop's evaluation gate (see the module docstring)."""
+  """A started gate (train/gate.py GateRun): evaluates, gates and promotes (module docstring)."""
 
   def __init__(self, cfg, workdir: str, plan, model_at_start, start_step: int):
     from align.evals.helpful import judge_for
