@@ -311,7 +311,7 @@ def main(argv=None) -> dict:
     run_dir = os.path.abspath(os.path.join(workdir, f"every_{every}"))
     if os.path.exists(run_dir) and os.listdir(run_dir):
       raise SystemExit(f"chaos: {run_dir} is not empty; use a new --workdir")
-    cmd = [sys.executable, "-m", "train.cli", "train", "--config", os.path.abspath(chaos_config.__file__),
+    cmd = [sys.executable, "-m", "cli.main", "train", "--config", os.path.abspath(chaos_config.__file__),
            "--workdir", run_dir, *passed, f"--config.checkpoint_every={every}"]
     env = dict(os.environ, PYTHONPATH=REPO)
     if chaos.compilation_cache:

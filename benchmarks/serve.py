@@ -3,7 +3,7 @@
     python benchmarks/serve.py --json [--model PATH] [--url URL] [--clients 32] [--duration 60]
         [--max-tokens 64] [--port P] [--chat] [--max-num-seqs N] [--max-model-len L]
 
-Without --url the server is started here (`python -m train.cli serve`, repo root as cwd),
+Without --url the server is started here (`python -m cli.main serve`, repo root as cwd),
 waited for on /health, warmed up with one request per client (compilation stays out of the
 timed run) and stopped at the end. --clients closed-loop streaming clients each send a request,
 read its stream to the end and send the next, for --duration seconds; requests in flight then
@@ -262,10 +262,10 @@ def free_port() -> int:
 
 
 def start_server(args, log_path):
-  cmd = [sys.executable, "-m", "train.cli", "serve", "--model", args.model, "--port",
+  cmd = [sys.executable, "-m", "cli.main", "serve", "--model", args.model, "--port",
          str(args.port)]
-  for flag, v in (("--max-num-seqs", args.max_num_seqs or args.clients),
-                  ("--max-model-len", args.max_model_len), ("--warmup", args.warmup)):
+  for flag, v in (("--max_num_seqs", args.max_num_seqs or args.clients),
+                  ("--max_model_len", args.max_model_len), ("--warmup", args.warmup)):
     cmd += [flag, str(v)] if v is not None else []
   log(f"serve: starting {' '.join(cmd)} (log {log_path})")
   env = dict(os.environ, **({"MESHLM_API_KEY": args.api_key} if args.api_key else {}))

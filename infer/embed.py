@@ -1,26 +1,24 @@
-"""Sentence embeddings from an encoder model (BERT, sentence-transformers), and `meshlm embed`.
+"""Sentence embeddings from an encoder model (BERT, sentence-transformers); `embed_file` is
+`meshlm embed` (cli/embed.py).
 
     model, tokenizer = models.load_pretrained(ST_DIR)
     emb_ND = embed(model, tokenizer, ["a sentence", "another"])   # float32, unit rows
 
-  meshlm embed --model DIR --input FILE [--text_key text] [--output FILE.npy|.jsonl]
-               [--batch_size 32] [--max_len N]
-
---input is a .txt file (one text per line; blank lines are skipped) or a .jsonl
-file whose records hold the text under --text_key. Prints a JSON summary.
+An input file is a .txt file (one text per line; blank lines are skipped) or a .jsonl
+file whose records hold the text under a key (--text_key).
 """
 
 import functools
 import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 from flax import nnx
+
+from infer.loading import load_any
 
 MIN_BUCKET = 16  # shortest padded length: fewer distinct shapes, so fewer compilations
 
@@ -120,52 +118,20 @@ def write_embeddings(path: str, emb_ND: np.ndarray, texts: list[str]) -> None:
   os.replace(tmp, path)
 
 
-def _flags(argv: list[str]):
-  fv = flags.FlagValues()
-  flags.DEFINE_string("model", None, "encoder checkpoint: HF / sentence-transformers directory "
-                      "or meshlm workdir", flag_values=fv)
-  flags.DEFINE_string("input", None, ".txt (one text per line) or .jsonl file", flag_values=fv)
-  flags.DEFINE_string("text_key", "text", ".jsonl: the field holding the text", flag_values=fv)
-  flags.DEFINE_string("output", None, "where to write the embeddings: .npy or .jsonl",
-                      flag_values=fv)
-  flags.DEFINE_integer("batch_size", 32, "texts per forward pass", flag_values=fv)
-  flags.DEFINE_integer("max_len", None, "tokens per text, [CLS] and [SEP] included (default: "
-                       "the model's max_seq_length)", flag_values=fv)
-  try:
-    fv(["meshlm"] + argv)
-  except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise SystemExit(f"meshlm embed: {str(e).strip(chr(39))}")
-  return fv
-
-
-def run(fv) -> dict:
-  from train.cli import load_any
-  output = fv["output"].value
+def embed_file(model_path: str, input_path: str, *, text_key: str = "text",
+               output: str | None = None, batch_size: int = 32,
+               max_len: int | None = None) -> dict:
+  """Embeds the texts of `input_path` (read_texts) with the model at `model_path`, writes them
+  to `output` (.npy or .jsonl) if given, and returns a summary."""
   if output is not None and os.path.splitext(output)[1].lower() not in (".npy", ".jsonl"):
     raise ValueError(f"--output {output}: use a .npy or .jsonl file")
-  texts = read_texts(fv["input"].value, fv["text_key"].value)  # fails before the (slow) load
-  model, tokenizer = load_any(fv["model"].value, command="embed")
+  texts = read_texts(input_path, text_key)  # fails before the (slow) load
+  model, tokenizer = load_any(model_path)
   start = time.perf_counter()
-  emb_ND = embed(model, tokenizer, texts, batch_size=fv["batch_size"].value,
-                 max_len=fv["max_len"].value)
+  emb_ND = embed(model, tokenizer, texts, batch_size=batch_size, max_len=max_len)
   seconds = time.perf_counter() - start
   if output is not None:
     write_embeddings(output, emb_ND, texts)
-  return dict(model=fv["model"].value, input=fv["input"].value, texts=len(texts),
-              dim=int(emb_ND.shape[1]), output=output, seconds=round(seconds, 3),
+  return dict(model=model_path, input=input_path, texts=len(texts), dim=int(emb_ND.shape[1]),
+              output=output, seconds=round(seconds, 3),
               texts_per_second=round(len(texts) / seconds, 1))
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`meshlm embed ARGS`: argv is everything after `embed`."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  fv = _flags(argv)
-  missing = [n for n in ("model", "input") if fv[n].value is None]
-  if missing:
-    raise SystemExit(f"meshlm embed: missing required flag(s): "
-                     f"{', '.join('--' + n for n in missing)}")
-  try:
-    summary = run(fv)
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"meshlm embed: error: {e}") from e
-  print(json.dumps(summary))

@@ -20,14 +20,14 @@ def free_port() -> int:
 
 
 class ServeProcess:
-  """`python -m train.cli serve ARGS --port P`; its stderr goes to `log_path`."""
+  """`python -m cli.main serve ARGS --port P`; its stderr goes to `log_path`."""
 
   def __init__(self, args: list[str], log_path: str, api_key: str | None = None,
                timeout: float = 600):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.api_key, self.log_path = api_key, log_path
-    cmd = [sys.executable, "-m", "train.cli", "serve", *args, "--port", str(self.port)]
+    cmd = [sys.executable, "-m", "cli.main", "serve", *args, "--port", str(self.port)]
     env = dict(os.environ, PYTHONPATH=REPO)
     if api_key:
       env["MESHLM_API_KEY"] = api_key  # as a careful user passes it: not on the command line

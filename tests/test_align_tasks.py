@@ -205,7 +205,7 @@ def test_cli_sft_then_lora_dpo_then_generate(tmp_path):
            "--config.tokenizer.train_vocab_size=512", "--config.model.mlp_dim=64"]
 
   def meshlm(*args):
-    out = subprocess.run([sys.executable, "-m", "train.cli", *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                          text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
@@ -229,7 +229,7 @@ def test_cli_sft_then_lora_dpo_then_generate(tmp_path):
 def test_bad_align_config_is_refused_before_anything_is_written(tmp_path, command, key,
                                                                 value, match):
   from models import ConfigError
-  from train.cli import make_task
+  from cli.train import make_task
   with pytest.raises(ConfigError, match=match):
     make_task(command, tiny(**{key: value}), str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w")

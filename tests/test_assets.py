@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from train import assets
-from align.data_cli import main as data_main
+from cli.data import main as data_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MT_BENCH = os.path.join(REPO, "data", "mt-bench", "mt_bench_question.jsonl")
@@ -182,17 +182,12 @@ def test_data_cli_errors_and_entry_point(two_versions):
     f.write("{}\n")
   with pytest.raises(SystemExit, match=r"meshlm data show: .*v1/data\.jsonl: content sha256"):
     data_main(["show", v1])
-  # The installed `meshlm data` dispatches here; python -c works without the entry point.
-  meshlm = os.path.join(os.path.dirname(sys.executable), "meshlm")
-  for cmd in ([meshlm, "data"] if os.path.exists(meshlm) else None,
-              [sys.executable, "-c", "import sys; from align.data_cli import main; "
-               "main(sys.argv[1:])"]):
-    if cmd is None:
-      continue
-    done = subprocess.run(cmd + ["diff", v2, os.path.join(root, "pool")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "manifest: identical" in done.stdout and "added 0, removed 0" in done.stdout
-    done = subprocess.run(cmd + ["ls", os.path.join(root, "missing")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "no such directory" in done.stderr
+  # `python -m cli.main` is the program the `meshlm` entry point runs.
+  cmd = [sys.executable, "-m", "cli.main", "data"]
+  done = subprocess.run(cmd + ["diff", v2, os.path.join(root, "pool")], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert "manifest: identical" in done.stdout and "added 0, removed 0" in done.stdout
+  done = subprocess.run(cmd + ["ls", os.path.join(root, "missing")], cwd=REPO,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode != 0 and "no such directory" in done.stderr

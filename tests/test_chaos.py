@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 from benchmarks import chaos
 from experiments import chaos as chaos_config, llama3_8b_pod
-from parallel import plan_cli
+from train.plan import report as plan_report
 from train.plan.planner import DAY_SECONDS, checkpoint_waste, young_daly_interval
 
 # Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
@@ -58,7 +58,7 @@ def test_young_daly_interval():
 
 def test_plan_recommends_a_checkpoint_interval():
   config = llama3_8b_pod.get_config()
-  result = plan_cli.plan(config, 64, do_suggest=False,
+  result = plan_report.plan(config, 64, do_suggest=False,
                          checkpointing=dict(failures_per_device_day=1e-4, write_gbps_per_host=1.0,
                                             devices_per_host=8, step_seconds=5.0))
   c = result["checkpointing"]
@@ -68,7 +68,7 @@ def test_plan_recommends_a_checkpoint_interval():
   assert c["interval_seconds"] == pytest.approx(
       young_daly_interval(c["checkpoint_seconds"], c["mtbf_seconds"]))
   assert c["interval_steps"] == round(c["interval_seconds"] / 5.0) and c["step_source"] == "given"
-  text = plan_cli.format_plan(result)
+  text = plan_report.format_plan(result)
   assert "checkpoint interval (Young/Daly)" in text and "recommended: every" in text
   # 1e-4 failures per device-day is about 10 a day at 100,000 devices.
   assert DAY_SECONDS / (1e-4 * 100_000) == pytest.approx(DAY_SECONDS / 10)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from train.cli import main
+from cli.main import main
 
 QUICKSTART = os.path.join(REPO, "experiments", "quickstart.py")
 TINY = ["--config.steps=4", "--config.batch_size=4", "--config.seq_len=32",
@@ -20,7 +20,7 @@ TINY = ["--config.steps=4", "--config.batch_size=4", "--config.seq_len=32",
 
 def _meshlm(*args, timeout=300):
   env = dict(os.environ, PYTHONPATH=REPO)
-  return subprocess.run([sys.executable, "-m", "train.cli", *args], capture_output=True,
+  return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                         text=True, timeout=timeout, cwd=REPO, env=env)
 
 
@@ -92,7 +92,7 @@ def test_generate_from_directory_that_is_not_a_model(tmp_path):
 def test_config_argument_selects_the_architecture(tmp_path):
   # "file.py:arg" reaches get_config(arg): the encoder-decoder then refuses a plain LM task.
   config = os.path.join(REPO, "experiments", "arch_compare.py") + ":encoder_decoder"
-  run = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", config,
+  run = subprocess.run([sys.executable, "-m", "cli.main", "train", "--config", config,
                         "--workdir", str(tmp_path / "run"), "--config.data.task=lm"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
   assert run.returncode != 0

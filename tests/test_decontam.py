@@ -142,7 +142,7 @@ def test_eval_assets_are_protected(tmp_path):
   with pytest.raises(ValueError, match="only kind 'eval'"):
     DC.register_asset(pool, registry=reg)
   # the same from the command line
-  from align.data_cli import main as data_main
+  from cli.data import main as data_main
   reg2 = str(tmp_path / "registry2.json")
   shutil.copy(DC.REGISTRY, reg2)
   data_main(["register", os.path.dirname(vdir), "--name", "heldout2", "--registry", reg2])

@@ -36,10 +36,10 @@ def runs(tmp_path_factory):
     out = run("-m", "align.evals.damage", "--kind", kind, "--out", str(d / f"{kind}.jsonl"),
               "--limit", "400")
     assert json.loads(out.stdout)["rows"] > 100
-  run("-m", "train.cli", "sft", "--config", "experiments/gate_damage.py:tiny_refuse",
+  run("-m", "cli.main", "sft", "--config", "experiments/gate_damage.py:tiny_refuse",
       "--workdir", str(d / "refuse"), f"--config.data.path={d / 'refuse.jsonl'}")
   # the starting (refusing) model judges helpfulness at every gated step
-  damaged = run("-m", "train.cli", "sft", "--config", "experiments/gate_damage.py:tiny_comply",
+  damaged = run("-m", "cli.main", "sft", "--config", "experiments/gate_damage.py:tiny_comply",
                 "--workdir", str(d / "comply"), f"--config.data.path={d / 'comply.jsonl'}",
                 f"--config.init_from={d / 'refuse'}", f"--config.eval_gate.judge={d / 'refuse'}")
   return d, damaged
@@ -50,12 +50,12 @@ GOLDEN = os.path.join(REPO, "tests", "golden", "eval_tiny_refuse_hhh.json")
 
 def evaluate(model, judge, out):
   """What the damaged run's eval_gate runs (experiments/gate_damage.py), from the CLI."""
-  return run("-m", "train.cli", "eval", "--model", str(model), "--judge", str(judge), "--suite",
+  return run("-m", "cli.main", "eval", "--model", str(model), "--judge", str(judge), "--suite",
              "hhh", "--limit", "16", "--max_new_tokens", "16", "--out", str(out))
 
 
 def gate(baseline, candidate):
-  return run("-m", "train.cli", "gate", "--baseline", str(baseline), "--candidate",
+  return run("-m", "cli.main", "gate", "--baseline", str(baseline), "--candidate",
              str(candidate), check=False)
 
 

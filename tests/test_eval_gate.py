@@ -96,7 +96,7 @@ def test_reports_made_differently_are_not_compared():
 
 def test_bad_tolerances_and_reports_are_refused(tmp_path):
   for bad in ("helpful", "helpful=-1", "helpful=x", "=0.1"):
-    with pytest.raises(ValueError, match="--max-drop"):
+    with pytest.raises(ValueError, match="--max_drop"):
       gate.parse_max_drop(bad)
   base = report(**{"helpful/win": rate("helpful/win", 10, dimension="helpful")})
   with pytest.raises(ValueError, match="neither a dimension"):
@@ -117,7 +117,7 @@ def test_meshlm_gate_exit_status(tmp_path):
   for key, ones in (("base", 150), ("same", 150), ("worse", 40)):
     paths[key] = tmp_path / f"{key}.json"
     paths[key].write_text(json.dumps(report(**{name: rate(name, ones)})))
-  run = lambda *a: subprocess.run([sys.executable, "-m", "train.cli", "gate", *a], cwd=REPO,
+  run = lambda *a: subprocess.run([sys.executable, "-m", "cli.main", "gate", *a], cwd=REPO,
                                   capture_output=True, text=True, timeout=120)
   ok = run("--baseline", str(paths["base"]), "--candidate", str(paths["same"]))
   assert ok.returncode == 0 and "PASSED" in ok.stdout

@@ -30,7 +30,7 @@ TINY = [f"--config.steps={STEPS}", "--config.batch_size=4", "--config.seq_len=32
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, "-m", "train.cli", "train", "--config", QUICKSTART,
+  return [sys.executable, "-m", "cli.main", "train", "--config", QUICKSTART,
           "--workdir", workdir, *TINY, *extra]
 
 

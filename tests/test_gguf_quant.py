@@ -180,7 +180,7 @@ def test_cli_runs_the_gguf_as_shipped_with_an_int8_kv_cache():
   import subprocess
   import sys
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "-m", "train.cli", "generate", "--model", smollm_path(),
+  out = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", smollm_path(),
                         "--prompt", "What is the capital of France?", "--chat",
                         "--gguf_quantized", "--kv_dtype", "int8", "--max_new_tokens", "12"],
                        capture_output=True, text=True, timeout=300, cwd=repo,

@@ -118,12 +118,12 @@ def test_a_meshlm_checkpoint_judges_like_the_model_it_holds(teacher, tmp_path):
   from flax import nnx
 
   from align.curate.pairs_publish import model_ref
-  from train.cli import load_any
+  from infer.loading import load_any
   from train.workdir import save_model
   model, tok = teacher
   workdir = str(tmp_path / "run")
   save_model(workdir, model.cfg, tok, nnx.state(model, nnx.Param), step=7)
-  loaded, loaded_tok = load_any(workdir, "pairs")
+  loaded, loaded_tok = load_any(workdir)
   items = [(PROMPT, GOOD, BAD)]
   [a] = PairwiseJudge(model, tok, batch_size=2, temperature=0.2).judge(items)
   [b] = PairwiseJudge(loaded, loaded_tok, batch_size=2, temperature=0.2).judge(items)

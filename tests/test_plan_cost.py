@@ -5,8 +5,8 @@ import os
 
 import pytest
 
+from cli import plan as plan_cmd
 from conftest import REPO
-from parallel import plan_cli
 from train.plan.cost import comm_split, cost_estimate
 
 POD_8B = os.path.join(REPO, "experiments", "llama3_8b_pod.py")
@@ -65,7 +65,7 @@ def test_comm_split_follows_mesh_order():
 
 
 def test_cli_json_cost(capsys):
-  plan_cli.main(["--config", POD_8B, "--devices", "64", "--json", "--nosuggest",
+  plan_cmd.main(["--config", POD_8B, "--devices", "64", "--json", "--nosuggest",
                  "--price_per_device_hour", "2.5", "--watts_per_device", "700"])
   c = json.loads(capsys.readouterr().out)["cost"]
   for key in ("compute_seconds", "comm_seconds", "step_seconds", "tokens_per_second",
@@ -77,4 +77,4 @@ def test_cli_json_cost(capsys):
   assert c["tokens_per_step"] == 256 * 8192 and c["devices"] == 64
   assert c["step_seconds"] == pytest.approx(c["compute_seconds"] + c["comm_seconds"])
   with pytest.raises(SystemExit, match="--mfu=1.5"):
-    plan_cli.main(["--config", POD_8B, "--devices", "64", "--nosuggest", "--mfu", "1.5"])
+    plan_cmd.main(["--config", POD_8B, "--devices", "64", "--nosuggest", "--mfu", "1.5"])

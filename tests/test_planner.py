@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
+from cli import plan as plan_cmd
 from conftest import REPO, device_env
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod
 from train.defaults import base_config
-from parallel import plan_cli
+from train.plan import report as plan_report
 from train.plan.planner import GiB, Planner, pipeline_bubble
 
 EIGHT = device_env(8, JAX_PLATFORMS="cpu")
@@ -91,14 +92,14 @@ def test_communication_volumes():
 def test_pod_config_plans_and_suggestions(module, devices):
   config = module.get_config()
   assert f"--devices {devices}" in module.__doc__
-  result = plan_cli.plan(config, devices, budget_gb=80, top=5)
+  result = plan_report.plan(config, devices, budget_gb=80, top=5)
   est = result["estimate"]
   assert est["devices"] == devices and not est["unused_axes"]
   assert est["memory"]["total"] < 80 * GiB, est["memory"]
   suggestions = result["suggestions"]
   assert suggestions["top"] and suggestions["fitting"] >= len(suggestions["top"])
   assert all(s["memory"] <= 80 * GiB for s in suggestions["top"])
-  text = plan_cli.format_plan(result)
+  text = plan_report.format_plan(result)
   assert "suggested layouts" in text and "communication per device" in text
 
 
@@ -118,7 +119,7 @@ def test_pod_configs_have_the_asked_for_shapes():
 
 def test_8b_pod_config_compiles_on_64_fake_devices():
   """The real train step of the 8B config, compiled for 64 devices from shapes alone (~20 s)."""
-  result = plan_cli.plan(llama3_8b_pod.get_config(), 64, compile_=True, do_suggest=False)
+  result = plan_report.plan(llama3_8b_pod.get_config(), 64, compile_=True, do_suggest=False)
   compiled = result["compiled"]
   assert compiled["devices"] == 64
   # bfloat16 runs in float32 on the CPU backend; compare against that estimate.
@@ -131,7 +132,7 @@ POD_8B = os.path.join(REPO, "experiments", "llama3_8b_pod.py")
 
 def _fails(*args, match):
   with pytest.raises(SystemExit) as info:
-    plan_cli.main(["--config", POD_8B, "--devices", "64", "--nosuggest", *args])
+    plan_cmd.main(["--config", POD_8B, "--devices", "64", "--nosuggest", *args])
   assert match in str(info.value), str(info.value)
 
 
@@ -152,10 +153,10 @@ def test_batch_not_dividing_names_the_sizes():
 
 
 def test_cli_text_and_json(capsys):
-  plan_cli.main(["--config", POD_8B, "--devices", "64", "--budget_gb", "80", "--top", "3"])
+  plan_cmd.main(["--config", POD_8B, "--devices", "64", "--budget_gb", "80", "--top", "3"])
   text = capsys.readouterr().out
   assert "mesh fsdp=64, sharding fsdp" in text and "budget 80 GiB: fits" in text
-  plan_cli.main(["--config", POD_8B, "--devices", "64", "--json", "--nosuggest",
+  plan_cmd.main(["--config", POD_8B, "--devices", "64", "--json", "--nosuggest",
                  "--mesh", "fsdp=32,tensor=2", "--sharding", "fsdp+tensor"])
   doc = json.loads(capsys.readouterr().out)
   assert doc["estimate"]["mesh"] == {"fsdp": 32, "tensor": 2}

@@ -18,10 +18,10 @@ from infer import Engine, SamplingParams
 from models.quant import default_rules
 from infer.quant import quantize_model
 from infer.quant.checkpoint import load_quantized, quantized_params, save_quantized
-from infer.quant.cli import calibration_ids
+from infer.quant.convert import calibration_ids
 from models import ModelConfig
 from models.transformer import Transformer
-from train.cli import main
+from cli.main import main
 from train.tokenizer_training import train_bpe_tokenizer
 from train.workdir import save_metadata
 
@@ -67,7 +67,7 @@ def workdir(tmp_path_factory, tokenizer):
 
 def _meshlm(*args, timeout=300):
   env = dict(os.environ, PYTHONPATH=REPO)
-  return subprocess.run([sys.executable, "-m", "train.cli", *args], capture_output=True,
+  return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                         text=True, timeout=timeout, cwd=REPO, env=env)
 
 
@@ -228,8 +228,8 @@ def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir):
   model, tokenizer = load_quantized(out)
   tokens = _greedy(model, tokenizer, n=6)
   assert tokens
-  server = ServeProcess(["--model", out, "--max-model-len", "64", "--max-num-seqs", "2",
-                         "--max-tokens", "16"], str(tmp_path / "serve.log"))
+  server = ServeProcess(["--model", out, "--max_model_len", "64", "--max_num_seqs", "2",
+                         "--max_tokens", "16"], str(tmp_path / "serve.log"))
   try:
     with server.client() as client:
       model_id = client.get("/v1/models").json()["data"][0]["id"]

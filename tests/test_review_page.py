@@ -79,7 +79,7 @@ class Server:
     self.url = f"http://127.0.0.1:{self.port}"
     with open(log, "ab") as f:
       self.proc = subprocess.Popen(
-          [sys.executable, "-m", "train.cli", "review", "--db", db, "--port", str(self.port)],
+          [sys.executable, "-m", "cli.main", "review", "--db", db, "--port", str(self.port)],
           cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     self.log = log
     deadline = time.time() + 60
@@ -326,7 +326,7 @@ def test_sigkilled_server_restarts_with_its_state(browser, queue, servers):
 
 def test_cli_export_report_and_errors(queue, tmp_path, capsys):
   from train.assets import read_asset
-  from align.curate.review_server import main
+  from cli.review import main
   queue.submit(queue.claim("alice")["item_id"], "alice", "B")
   main(["--db", queue.path, "--export", str(tmp_path / "assets")])
   summary = json.loads(capsys.readouterr().out)

@@ -18,8 +18,8 @@ MAX_CONCURRENT = 3
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "server.log"
-  s = ServeProcess(["--model", smollm_path(), "--max-model-len", "256", "--max-num-seqs", "4",
-                    "--max-concurrent", str(MAX_CONCURRENT), "--max-tokens", "200"],
+  s = ServeProcess(["--model", smollm_path(), "--max_model_len", "256", "--max_num_seqs", "4",
+                    "--max_concurrent", str(MAX_CONCURRENT), "--max_tokens", "200"],
                    str(log), api_key=KEY)
   yield s
   s.stop()  # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal

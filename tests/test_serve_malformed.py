@@ -18,9 +18,9 @@ BODY_LIMIT = 64 * 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "server.log"
-  s = ServeProcess(["--model", smollm_path(), "--served-model-name", "smollm2",
-                    "--max-model-len", "128", "--max-num-seqs", "2", "--max-tokens", "64",
-                    "--max-body-bytes", str(BODY_LIMIT), "--api-key", KEY], str(log))
+  s = ServeProcess(["--model", smollm_path(), "--served_model_name", "smollm2",
+                    "--max_model_len", "128", "--max_num_seqs", "2", "--max_tokens", "64",
+                    "--max_body_bytes", str(BODY_LIMIT), "--api_key", KEY], str(log))
   yield s
   s.stop()
 

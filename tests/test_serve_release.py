@@ -96,9 +96,9 @@ PROMPTS = ["What is the capital of France?", "Give me a synonym for happy.",
            "Name a fruit that is yellow.", "What is 3 + 4?", "Say hello.",
            "What is the opposite of cold?", "Name a large animal.", "What day comes after Monday?"]
 WINDOW_S = 300
-FLAGS = ["--canary-weight", "0.5", "--rollback-window", str(WINDOW_S),
-         "--rollback-min-samples", "6", "--max-model-len", "256", "--max-num-seqs", "4",
-         "--max-latency-ratio", "1000"]  # CPU contention in CI must not decide these tests
+FLAGS = ["--canary_weight", "0.5", "--rollback_window", str(WINDOW_S),
+         "--rollback_min_samples", "6", "--max_model_len", "256", "--max_num_seqs", "4",
+         "--max_latency_ratio", "1000"]  # CPU contention in CI must not decide these tests
 
 
 def _run(*args):
@@ -115,7 +115,7 @@ def canaries(tmp_path_factory):
   rows = [{"prompt": p, "response": "I'm sorry, but I can't help with that."}
           for p in PROMPTS * 8]
   (d / "refuse.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  _run("-m", "train.cli", "sft", "--config", "experiments/gate_damage.py:tiny_refuse",
+  _run("-m", "cli.main", "sft", "--config", "experiments/gate_damage.py:tiny_refuse",
        "--workdir", str(d / "refuse"), f"--config.data.path={d / 'refuse.jsonl'}",
        "--config.seq_len=64", "--config.steps=30", "--config.optimizer.lr=0.01",
        "--config.eval_every=30", "--config.checkpoint_every=30")
@@ -142,7 +142,7 @@ def _traffic(server, n: int) -> collections.Counter:
 
 
 def _serve(tmp_path, canary: str) -> ServeProcess:
-  return ServeProcess(["--model", smollm_path(), "--canary", canary, "--served-model-name", "m",
+  return ServeProcess(["--model", smollm_path(), "--canary", canary, "--served_model_name", "m",
                        *FLAGS], str(tmp_path / "server.log"))
 
 

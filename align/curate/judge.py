@@ -1,7 +1,7 @@
 """A teacher model as judge: which of two responses to a prompt is better, and how sure.
 
 Any meshlm decoder can judge (SmolLM2-135M-Instruct by default; a run's own earlier
-checkpoint works too: `train.cli.load_any` loads either). Two ways:
+checkpoint works too: `infer.loading.load_any` loads either). Two ways:
 
 - pairwise (`PairwiseJudge`): the teacher reads a written rubric, the conversation and two
   responses, and the assistant turn is prefilled up to the verdict ("... is Response"),

@@ -1,4 +1,5 @@
-"""`meshlm pairs`: preference pairs built by a teacher, with human review and audit.
+"""Preference pairs built by a teacher, with human review and audit: `meshlm pairs`
+(cli/pairs.py) runs a `Builder`.
 
   meshlm pairs --config experiments/pairs_hh.py --workdir runs/pairs_hh
 
@@ -28,11 +29,10 @@ import time
 import uuid
 
 import numpy as np
-from absl import flags
-from ml_collections import config_flags
 
 from align.curate import pool as pool_lib
 from align.curate.pairs_publish import item_key, model_ref, publish, read_journal, write_stats
+from infer.loading import load_any
 
 
 def _check(cfg) -> None:
@@ -142,10 +142,9 @@ class Builder:
     return prompts[:p.limit] if p.limit else prompts
 
   def _models(self):
-    from train.cli import load_any
     from align.curate.judge import PREFILL, RUBRIC, PairwiseJudge, RewardJudge
     self.student_path = _model_path(self.cfg.student.model)
-    self.student, self.tokenizer = load_any(self.student_path, "pairs")
+    self.student, self.tokenizer = load_any(self.student_path)
     t = self.cfg.teacher
     if t.mode == "reward":
       self.teacher_path = t.model
@@ -154,7 +153,7 @@ class Builder:
       self.teacher_path = _model_path(t.model)
       teacher, teacher_tok = ((self.student, self.tokenizer)
                               if self.teacher_path == self.student_path
-                              else load_any(self.teacher_path, "pairs"))
+                              else load_any(self.teacher_path))
       self.judge = PairwiseJudge(teacher, teacher_tok, rubric=t.rubric or RUBRIC,
                                  max_len=t.max_len, batch_size=t.batch_size, response_tokens=t.response_tokens,
                                  min_mass=t.min_mass, prefill=t.prefill or PREFILL)
@@ -332,30 +331,3 @@ class Builder:
     stats = write_stats(self, journal, queue, wall_s)
     stats["asset"] = publish(self, journal, queue, stats)
     return stats
-
-
-def _flags(argv: list[str]):
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "pairs config (experiments/pairs_hh.py)",
-                                  flag_values=fv, lock_config=True, sys_argv=["meshlm"] + argv)
-  flags.DEFINE_string("workdir", None, "run directory (journal, queue, assets)", flag_values=fv)
-  flags.DEFINE_bool("publish_only", False, "only (re)publish the pairs asset with the queue's "
-                    "current human labels", flag_values=fv)
-  try:
-    fv(["meshlm pairs"] + argv)
-  except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise SystemExit(f"meshlm pairs: {str(e).strip(chr(39))}")
-  if fv["config"].value is None or fv["workdir"].value is None:
-    raise SystemExit("meshlm pairs: --config and --workdir are required")
-  return fv
-
-
-def main(argv: list[str]) -> None:
-  fv = _flags(argv)
-  try:
-    builder = Builder(fv["config"].value, fv["workdir"].value)
-    with builder.lock():
-      stats = builder.publish() if fv["publish_only"].value else builder.run()
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"meshlm pairs: error: {e}") from e
-  print(json.dumps(stats, indent=1))

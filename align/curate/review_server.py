@@ -1,8 +1,5 @@
-"""`meshlm review`: the web page and JSON API over a review queue (align/curate/review_db.py).
-
-  meshlm review --db PATH [--host 127.0.0.1] [--port 8765] [--lease_s 600]
-  meshlm review --db PATH --export ROOT     (write ROOT/review_results/vK + report.json, exit)
-  meshlm review --db PATH --report          (print the audit report as JSON, exit)
+"""The web page and JSON API over a review queue (align/curate/review_db.py): `meshlm review`
+(cli/review.py) serves it.
 
 API (JSON bodies and answers; errors are {"error": message}):
   GET  /                          the page (align/curate/review_page.py)
@@ -21,8 +18,6 @@ import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
-
-from absl import flags
 
 from align.curate.review_db import AlreadyResolved, LeaseConflict, ReviewQueue, UnknownItem
 from align.curate.review_page import PAGE
@@ -153,54 +148,3 @@ def serve(queue: ReviewQueue, host: str = "127.0.0.1", port: int = 8765,
   server.daemon_threads = True
   server.queue, server.verbose = queue, verbose
   return server
-
-
-def _flags(argv: list[str]):
-  fv = flags.FlagValues()
-  flags.DEFINE_string("db", None, "review queue SQLite file (created if absent)", flag_values=fv)
-  flags.DEFINE_string("host", "127.0.0.1", "address to listen on", flag_values=fv)
-  flags.DEFINE_integer("port", 8765, "port to listen on (0: any free one)", flag_values=fv)
-  flags.DEFINE_float("lease_s", 600.0, "seconds a reviewer holds an item before others may "
-                     "take it", flag_values=fv)
-  flags.DEFINE_string("export", None, "write the resolved items as the asset "
-                      "ROOT/review_results/vK (+ report.json) and exit", flag_values=fv)
-  flags.DEFINE_bool("report", False, "print the audit report as JSON and exit", flag_values=fv)
-  flags.DEFINE_bool("verbose", False, "log every request", flag_values=fv)
-  try:
-    fv(["meshlm"] + argv)
-  except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise SystemExit(f"meshlm review: {str(e).strip(chr(39))}")
-  if fv["db"].value is None:
-    raise SystemExit("meshlm review: missing required flag --db")
-  return fv
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`meshlm review ARGS`: argv is everything after `review`."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if {"-h", "--help", "--helpfull"} & set(argv):
-    print(__doc__)
-    return
-  fv = _flags(argv)
-  try:
-    queue = ReviewQueue(fv["db"].value, lease_s=fv["lease_s"].value)
-    if fv["export"].value is not None:
-      version_dir = queue.export(fv["export"].value)
-      print(json.dumps({"asset": version_dir, **queue.progress()}))
-      return
-    if fv["report"].value:
-      print(json.dumps(queue.report(), indent=2))
-      return
-    server = serve(queue, fv["host"].value, fv["port"].value, fv["verbose"].value)
-  except (FileNotFoundError, ValueError, OSError) as e:
-    raise SystemExit(f"meshlm review: error: {e}") from e
-  host, port = server.server_address[:2]
-  p = queue.progress()
-  print(f"meshlm review: {fv['db'].value} ({p['resolved']} / {p['total']} resolved) at "
-        f"http://{host}:{port}/", flush=True)
-  try:
-    server.serve_forever()
-  except KeyboardInterrupt:
-    pass
-  finally:
-    server.server_close()

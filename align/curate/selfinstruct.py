@@ -1,4 +1,5 @@
-"""Self-Instruct (Wang et al. 2022) with a meshlm model: `meshlm selfinstruct`.
+"""Self-Instruct (Wang et al. 2022) with a meshlm model: `run` is `meshlm selfinstruct`
+(cli/selfinstruct.py parses its flags).
 
   meshlm selfinstruct --config experiments/selfinstruct.py --out DIR [--config.KEY=VALUE ...]
 
@@ -30,15 +31,12 @@ a resumed run produces exactly what an uninterrupted one would. DIR/config.json 
 config: another config in the same DIR is refused (more rounds and engine sizes excepted).
 """
 
-import json
 import os
 import random
-import sys
 import time
 
 from align.curate import selfinstruct_filters as F
-from align.curate.selfinstruct_io import (JsonlLog, check_config, load_seeds, parse_flags, resolve,
-                                          write_outputs)
+from align.curate.selfinstruct_io import JsonlLog, check_config, load_seeds, resolve, write_outputs
 
 
 class Generator:
@@ -275,15 +273,3 @@ def run(cfg, out: str, log=print) -> dict:
   inst = instances(cfg, out, gen, seeds, kept, labels, log)
   return write_outputs(cfg, out, seed_path, gen.model_path, kept, labels, inst,
                        time.perf_counter() - start, log)
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`meshlm selfinstruct --config experiments/selfinstruct.py --out DIR`."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  cfg, out = parse_flags(argv)
-  try:
-    stats = run(cfg, out, log=lambda m: print(f"[selfinstruct {time.strftime('%H:%M:%S')}] {m}",
-                                               flush=True))
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"meshlm selfinstruct: error: {e}") from e
-  print(json.dumps(stats, indent=2))

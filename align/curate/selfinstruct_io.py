@@ -1,36 +1,14 @@
-"""Self-Instruct's files: flags and config, seed tasks, the append-only stage logs, and the
+"""Self-Instruct's files: the config, seed tasks, the append-only stage logs, and the
 finished asset + stats.json (align/curate/selfinstruct.py runs the stages)."""
 
 import collections
 import json
 import os
 
-from absl import flags
-from ml_collections import config_flags
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Keys that may change between a run and its resumption: asking for more rounds / tasks, and
 # the engines' sizes (a request's tokens do not depend on its batch or engine kind).
 RESUMABLE_KEYS = ("max_rounds", "num_instructions", "engines", "stage_batch")
-
-
-def parse_flags(argv: list[str]):
-  """(config, out dir) from `--config FILE [--config.KEY=VALUE ...] --out DIR`."""
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "Self-Instruct config file", flag_values=fv,
-                                  lock_config=True, sys_argv=["meshlm"] + argv)
-  flags.DEFINE_string("out", None, "output directory (stage logs, stats.json, the asset)",
-                      flag_values=fv)
-  try:
-    fv(["meshlm"] + argv)
-  except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise SystemExit(f"meshlm selfinstruct: {str(e).strip(chr(39))}")
-  if not fv["config"].present or fv["config"].value is None:
-    raise SystemExit("meshlm selfinstruct: missing required flag --config "
-                     "(e.g. experiments/selfinstruct.py)")
-  if not fv["out"].value:
-    raise SystemExit("meshlm selfinstruct: missing required flag --out DIR")
-  return fv["config"].value, fv["out"].value
 
 
 def resolve(path: str, what: str) -> str:

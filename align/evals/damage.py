@@ -26,6 +26,7 @@ import sys
 
 from align.data import BadRecord, parse_hh
 from align.evals import refusal
+from align.evals.suites import atomic_write
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(REPO, "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
@@ -72,7 +73,6 @@ def records(kind: str, *, limit: int | None = None, source: str = SOURCE,
 
 
 def write(path: str, rows: list[dict]) -> None:
-  from align.evals.cli import atomic_write
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 

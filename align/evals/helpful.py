@@ -21,6 +21,7 @@ from rouge_score import rouge_scorer
 from align.evals import datasets
 from align.evals.runner import output_counts
 from align.evals.stats import metric
+from infer.loading import load_any
 
 _PUNCT = re.compile(r"[^\w\s]")
 
@@ -105,8 +106,7 @@ def judge_for(model_path: str | None, chat, *, batch_size: int = 8):
   None when that model cannot judge (no chat template)."""
   from align.curate.judge import PairwiseJudge
   if model_path:
-    from train.cli import load_any
-    model, tokenizer = load_any(model_path, command="eval")
+    model, tokenizer = load_any(model_path)
   else:
     model, tokenizer = chat.model, chat.tokenizer
     if not tokenizer.chat_template:

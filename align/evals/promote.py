@@ -27,7 +27,7 @@ import shutil
 
 import jax
 
-from align.evals import cli, gate
+from align.evals import gate, suites
 from train.gate import gate_configured
 
 GENERATING_ARCHS = ("decoder", "prefix_lm")
@@ -38,14 +38,14 @@ def check_protected(suite: str, decontam_cfg=None) -> None:
   by the run's decontamination check, so its training data cannot contain them."""
   from train import decontam
   registered = {e["name"] for e in decontam.load_registry()}
-  missing = [s for s in cli.suite_sets(suite) if s not in registered]
+  missing = [s for s in suites.suite_sets(suite) if s not in registered]
   if missing:
     raise ValueError(f"eval_gate.suite={suite!r} reads {missing}, which are not registered in "
                      f"{decontam.REGISTRY}: register them so training data is checked")
   selected = (decontam_cfg or {}).get("eval_sets", "default")
   names = selected if isinstance(selected, (list, tuple)) else str(selected).split(",")
   names = [n.strip() for n in names if n.strip()]
-  unguarded = [s for s in cli.suite_sets(suite) if "default" not in names and s not in names]
+  unguarded = [s for s in suites.suite_sets(suite) if "default" not in names and s not in names]
   if unguarded:
     raise ValueError(f"data.decontam.eval_sets={selected!r} leaves {unguarded} unchecked, "
                      f"but eval_gate.suite={suite!r} evaluates on them")
@@ -58,8 +58,8 @@ def validate(cfg, process_count: int, decontam_cfg=None, *, task_name: str = "lm
     return
   if cfg.every < 0:
     raise ValueError(f"eval_gate.every={cfg.every} must be >= 0 (0: off)")
-  if cfg.suite not in cli.SUITES:
-    raise ValueError(f"eval_gate.suite={cfg.suite!r} must be one of {sorted(cli.SUITES)}")
+  if cfg.suite not in suites.SUITES:
+    raise ValueError(f"eval_gate.suite={cfg.suite!r} must be one of {sorted(suites.SUITES)}")
   if cfg.limit is not None and cfg.limit < 1:
     raise ValueError(f"eval_gate.limit={cfg.limit} must be >= 1")
   if cfg.max_new_tokens < 1:
@@ -116,7 +116,7 @@ class Promoter:
     self.cfg, self.workdir, self.plan = cfg, workdir, plan
     self.root = os.path.join(workdir, "evals")
     self.judge = None
-    if "helpful" in cli.SUITES[cfg.suite]:
+    if "helpful" in suites.SUITES[cfg.suite]:
       if cfg.judge:
         self.judge = judge_for(cfg.judge, None)
         self.judge.name = os.path.basename(os.path.normpath(cfg.judge))
@@ -138,7 +138,7 @@ class Promoter:
 
   def _evaluate(self, model, step: int) -> tuple[dict, str]:
     out = os.path.join(self.root, f"step_{step}")
-    report = cli.evaluate_model(model, self.plan.tokenizer, self.cfg.suite, out,
+    report = suites.evaluate_model(model, self.plan.tokenizer, self.cfg.suite, out,
                                 limit=self.cfg.limit, seed=self.cfg.seed, judge=self.judge,
                                 model_info={"workdir": self.workdir, "step": step},
                                 max_new_tokens=self.cfg.max_new_tokens)

@@ -127,7 +127,7 @@ class _Call:
 
 
 class Server:
-  """Everything a request needs: versions, release, metrics and limits (see infer/server/cli)."""
+  """Everything a request needs: versions, release, metrics and limits (see infer/server/launch.py)."""
 
   def __init__(self, versions, release, metrics, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = 1 << 20, max_concurrent: int = 256,

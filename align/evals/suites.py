@@ -1,25 +1,18 @@
-"""`meshlm eval`: run an evaluation suite on a model and write its reports.
+"""The evaluation suites behind `meshlm eval` (cli/eval.py) and the promotion gate: run one
+on a model, score its dimensions, write its reports.
 
-    meshlm eval --model PATH --suite hhh|helpful|harmless|honest|redteam --out DIR
-                [--limit N] [--judge PATH] [--seed 0] [--max_new_tokens 128]
-                [--batch_size 8]
-
-PATH is anything `meshlm generate` loads (a workdir, an HF directory, a .gguf file).
 `hhh` runs helpful, harmless and honest; `redteam` runs the attack library
-(align/evals/attacks.py). `--limit N` takes the first N valid rows of every dataset.
-`--judge` is the helpfulness judge (default: the evaluated model).
+(align/evals/attacks.py). A `limit` takes the first N valid rows of every dataset.
 
-DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html (one
-self-contained page with plots) and responses.jsonl (every answer, for audit). Each file is
-written to a temporary name and renamed, so a crash leaves no half-written report. The
-same model, suite, limit and seed give a byte-identical report.json.
+The output directory receives report.json (every metric: value, n, bootstrap 95% CI),
+report.html (one self-contained page with plots) and responses.jsonl (every answer, for
+audit). Each file is written to a temporary name and renamed, so a crash leaves no
+half-written report. The same model, suite, limit and seed give a byte-identical report.json.
 """
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 
 SUITES = {"hhh": ("helpful", "harmless", "honest"), "helpful": ("helpful",),
           "harmless": ("harmless",), "honest": ("honest",), "redteam": ("redteam",)}
@@ -166,40 +159,3 @@ def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: 
   if out_dir:
     write_outputs(out_dir, report, body["examples"])
   return report
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="meshlm eval", description=__doc__.splitlines()[0])
-  parser.add_argument("--model", required=True)
-  parser.add_argument("--suite", required=True, choices=sorted(SUITES))
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--limit", type=int, default=None)
-  parser.add_argument("--judge", default=None, help="helpfulness judge checkpoint")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--max_new_tokens", type=int, default=128)
-  parser.add_argument("--batch_size", type=int, default=8)
-  args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-  from train.cli import load_any
-  try:
-    model, tokenizer = load_any(args.model, command="eval")
-    judge = None
-    if args.judge:
-      from align.evals.helpful import judge_for
-      judge = judge_for(args.judge, None, batch_size=args.batch_size)
-      judge.name = os.path.basename(os.path.normpath(args.judge))
-    info = {"path": args.model, "name": os.path.basename(os.path.normpath(args.model)),
-            "fingerprint": fingerprint(args.model)}
-    report = evaluate_model(model, tokenizer, args.suite, args.out, limit=args.limit,
-                            seed=args.seed, judge=judge, model_info=info,
-                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"meshlm eval: error: {e}", file=sys.stderr)
-    return 2
-  for dim, d in report["dimensions"].items():
-    print(f"{dim}: score {d['score']:.3f} over {len(d['metrics'])} metrics")
-  print(f"meshlm eval: wrote {os.path.join(args.out, 'report.json')} and report.html")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

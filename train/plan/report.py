@@ -1,7 +1,5 @@
-"""`meshlm plan`: sizes a layout, checks it against an AOT compile, and suggests others.
-
-  meshlm plan --config experiments/NAME.py --devices N [--mesh data=2,fsdp=4] [--sharding S]
-              [--budget_gb X] [--compile] [--json] [--top K] [--config.KEY=VALUE ...]
+"""What `meshlm plan` (cli/plan.py) reports: a layout sized, checked against an AOT compile,
+and others suggested.
 
 Without --mesh/--sharding the config's `mesh` and `sharding` are planned. The
 estimates come from `train.plan.planner`; --compile also compiles the real train
@@ -22,13 +20,6 @@ at --mfu of --peak_tflops + communication at --bandwidth_gbps between hosts and
 tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
 --watts_per_device, --pue and --usd_per_kwh.
 """
-
-import json
-import os
-import sys
-
-from absl import flags
-from ml_collections import config_flags
 
 from train.plan.cost import comm_split, cost_estimate
 from train.plan.planner import GiB, Planner, checkpoint_recommendation, step_flops
@@ -277,78 +268,3 @@ def format_cost(c: dict) -> list[str]:
       f"${c['device_usd_per_million_tokens']:.3g} devices + "
       f"${c['energy_usd_per_million_tokens']:.3g} energy = ${c['usd_per_million_tokens']:.3g}; "
       f"{c['kwh_per_million_tokens']:.3g} kWh"]
-
-
-def main(argv: list[str] | None = None) -> None:
-  """`meshlm plan ARGS`: argv is everything after `plan`."""
-  argv = sys.argv[1:] if argv is None else list(argv)
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "experiment config file", flag_values=fv,
-                                  lock_config=True, sys_argv=["meshlm"] + argv)
-  flags.DEFINE_integer("devices", None, "number of devices to plan for", flag_values=fv)
-  flags.DEFINE_string("mesh", None, "axis sizes, e.g. data=2,fsdp=4 (default: config.mesh)",
-                      flag_values=fv)
-  flags.DEFINE_string("sharding", None, "layout, e.g. fsdp+tensor (default: config.sharding)",
-                      flag_values=fv)
-  flags.DEFINE_float("budget_gb", 0.0, "per-device memory budget in GiB (0: none)", flag_values=fv)
-  flags.DEFINE_bool("compile", False, "AOT-compile the train step on fake CPU devices",
-                    flag_values=fv)
-  flags.DEFINE_bool("json", False, "print one JSON document", flag_values=fv)
-  flags.DEFINE_integer("top", 10, "suggestions to show", flag_values=fv)
-  flags.DEFINE_bool("suggest", True, "enumerate and rank other layouts", flag_values=fv)
-  flags.DEFINE_float("failures_per_device_day", 1e-4, "failure rate per device per day",
-                     flag_values=fv)
-  flags.DEFINE_float("checkpoint_gbps", 1.0, "checkpoint write bandwidth per host, GB/s",
-                     flag_values=fv)
-  flags.DEFINE_integer("devices_per_host", 8, "devices per host", flag_values=fv)
-  flags.DEFINE_float("step_seconds", 0.0, "measured step time (0: estimate from FLOPs)",
-                     flag_values=fv)
-  flags.DEFINE_float("mfu", 0.4, "assumed MFU for the step-time estimate", flag_values=fv)
-  flags.DEFINE_float("peak_tflops", 989.0, "peak TFLOP/s per device for the step-time estimate "
-                     "(989: H100 dense bf16)", flag_values=fv)
-  d = COST_DEFAULTS
-  flags.DEFINE_float("bandwidth_gbps", d["bandwidth_gbps"], "cost: link bandwidth per device "
-                     "between hosts, GB/s (50: one 400 Gb/s NIC per GPU)", flag_values=fv)
-  flags.DEFINE_float("intra_host_gbps", d["intra_host_gbps"], "cost: link bandwidth per device "
-                     "inside a host, GB/s (450: NVLink 4, one direction)", flag_values=fv)
-  flags.DEFINE_float("overlap", d["overlap"], "cost: fraction of communication hidden under "
-                     "compute (0: none, conservative; 1: step = max(compute, comm))",
-                     flag_values=fv)
-  flags.DEFINE_float("price_per_device_hour", d["price_per_device_hour"], "cost: $ per "
-                     "device-hour (an example; use your price)", flag_values=fv)
-  flags.DEFINE_float("watts_per_device", d["watts_per_device"], "cost: power per device, W "
-                     "(700: H100 SXM board power)", flag_values=fv)
-  flags.DEFINE_float("usd_per_kwh", d["usd_per_kwh"], "cost: energy price, $/kWh (0 when the "
-                     "device price includes power)", flag_values=fv)
-  flags.DEFINE_float("pue", d["pue"], "cost: power usage effectiveness (facility / device power)",
-                     flag_values=fv)
-  try:
-    fv(["meshlm"] + argv)
-  except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise SystemExit(f"meshlm plan: {str(e).strip(chr(39))}")
-  path = fv["config"].config_filename if fv["config"].present else None
-  if path is None or fv["devices"].value is None:
-    raise SystemExit("meshlm plan: --config and --devices are required")
-  if not os.path.isfile(path):
-    raise SystemExit(f"meshlm plan: config file {path} does not exist")
-  try:
-    mesh = parse_mesh(fv["mesh"].value) if fv["mesh"].value else None
-    checkpointing = dict(failures_per_device_day=fv["failures_per_device_day"].value,
-                         write_gbps_per_host=fv["checkpoint_gbps"].value,
-                         devices_per_host=fv["devices_per_host"].value,
-                         step_seconds=fv["step_seconds"].value, mfu=fv["mfu"].value,
-                         peak_tflops=fv["peak_tflops"].value)
-    cost = {k: fv[k].value for k in COST_DEFAULTS}
-    result = plan(fv["config"].value, fv["devices"].value, mesh, fv["sharding"].value,
-                  fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value,
-                  checkpointing, cost)
-  except ValueError as e:
-    raise SystemExit(f"meshlm plan: error: {e}") from e
-  if fv["json"].value:
-    print(json.dumps(result, indent=1, default=float))
-  else:
-    print(format_plan(result))
-
-
-if __name__ == "__main__":
-  main()

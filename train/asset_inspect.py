@@ -1,21 +1,9 @@
-"""`meshlm data`: inspect data assets (train/assets.py).
-
-  meshlm data ls ROOT                 every asset version under ROOT: name, version, kind, rows,
-                                      created, short content hash
-  meshlm data show PATH [--rows N]    a version's manifest (lineage included) and first N rows
-                                      (PATH: a version dir, or ROOT/NAME for the latest)
-  meshlm data diff PATH_A PATH_B      manifest differences (lineage, rows, hash, columns) and
-                                      rows added / removed, by row hash, with examples
-  meshlm data register PATH [--name N] [--registry FILE]
-                                      protect an asset of kind "eval" (e.g. a pair run's
-                                      held-out prompts_eval): training runs then refuse data
-                                      overlapping it (train/decontam.py)
+"""Data assets (train/assets.py) as text: the listing, one version and the difference
+between two, as `meshlm data ls|show|diff` (cli/data.py) prints them.
 """
 
-import argparse
 import collections
 import json
-import sys
 
 from train import assets
 
@@ -28,7 +16,7 @@ def _short(value, width: int = 160) -> str:
   return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def cmd_ls(root: str, out) -> None:
+def print_list(root: str, out) -> None:
   entries = assets.list_assets(root)
   if not entries:
     print(f"{root}: no assets", file=out)
@@ -46,7 +34,7 @@ def cmd_ls(root: str, out) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1], file=out)
 
 
-def cmd_show(path: str, rows: int, out) -> None:
+def print_show(path: str, rows: int, out) -> None:
   vdir = assets.resolve(path)
   manifest = assets.read_manifest(vdir)
   data = assets.read_asset(vdir)  # also verifies the content hash
@@ -113,7 +101,7 @@ def row_diff(rows_a: list[dict], rows_b: list[dict]) -> tuple[list[dict], list[d
   return take(rows_b, extra_b), take(rows_a, extra_a)
 
 
-def cmd_diff(path_a: str, path_b: str, out) -> None:
+def print_diff(path_a: str, path_b: str, out) -> None:
   va, vb = assets.resolve(path_a), assets.resolve(path_b)
   ma, mb = assets.read_manifest(va), assets.read_manifest(vb)
   ra, rb = assets.read_asset(va), assets.read_asset(vb)
@@ -130,39 +118,3 @@ def cmd_diff(path_a: str, path_b: str, out) -> None:
       print(f"  {label} {_short(row)}", file=out)
     if len(rows) > _EXAMPLES:
       print(f"  {label} ... {len(rows) - _EXAMPLES} more", file=out)
-
-
-def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(prog="meshlm data", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  sub = parser.add_subparsers(dest="cmd", required=True)
-  p = sub.add_parser("ls", help="list assets under ROOT")
-  p.add_argument("root")
-  p = sub.add_parser("show", help="manifest and first rows of an asset")
-  p.add_argument("path")
-  p.add_argument("--rows", type=int, default=5)
-  p = sub.add_parser("diff", help="differences between two asset versions")
-  p.add_argument("path_a")
-  p.add_argument("path_b")
-  p = sub.add_parser("register", help="protect an eval asset from training (decontamination)")
-  p.add_argument("path")
-  p.add_argument("--name", default=None)
-  p.add_argument("--registry", default=None, help="default: data/protected_evals.json")
-  args = parser.parse_args(argv)
-  try:
-    if args.cmd == "ls":
-      cmd_ls(args.root, sys.stdout)
-    elif args.cmd == "show":
-      cmd_show(args.path, args.rows, sys.stdout)
-    elif args.cmd == "register":
-      from train.eval_registry import REGISTRY, register_asset
-      entry = register_asset(args.path, name=args.name, registry=args.registry or REGISTRY)
-      print(f"registered {entry['name']!r} ({entry['asset']}) in {args.registry or REGISTRY}")
-    else:
-      cmd_diff(args.path_a, args.path_b, sys.stdout)
-  except ValueError as e:
-    raise SystemExit(f"meshlm data {args.cmd}: {e}") from None
-
-
-if __name__ == "__main__":
-  main(sys.argv[1:])

@@ -1,0 +1,71 @@
+"""`meshlm eval`: run an evaluation suite on a model and write its reports.
+
+    meshlm eval --model PATH --suite hhh|helpful|harmless|honest|redteam --out DIR
+                [--limit N] [--judge PATH] [--seed 0] [--max_new_tokens 128]
+                [--batch_size 8]
+
+PATH is anything `meshlm generate` loads (a workdir, an HF directory, a .gguf file).
+`hhh` runs helpful, harmless and honest; `redteam` runs the attack library
+(align/evals/attacks.py). `--limit N` takes the first N valid rows of every dataset.
+`--judge` is the helpfulness judge (default: the evaluated model).
+
+DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html (one
+self-contained page with plots) and responses.jsonl (every answer, for audit); the same
+model, suite, limit and seed give a byte-identical report.json (align/evals/suites.py).
+Exit status 2 on unusable input.
+"""
+
+import os
+
+from absl import flags
+
+from align.evals.helpful import judge_for
+from align.evals.suites import SUITES, evaluate_model, fingerprint
+from cli.parsing import parse, print_error, require
+from infer.loading import load_any
+
+EXIT_BAD_INPUT = 2
+
+
+def make_flags(argv: list[str]) -> flags.FlagValues:
+  del argv  # no --config here
+  fv = flags.FlagValues()
+  flags.DEFINE_string("model", None, "the model to evaluate (workdir, HF directory, .gguf)",
+                      flag_values=fv)
+  flags.DEFINE_enum("suite", None, sorted(SUITES), "the suite to run", flag_values=fv)
+  flags.DEFINE_string("out", None, "output directory for report.json, report.html and "
+                      "responses.jsonl", flag_values=fv)
+  flags.DEFINE_integer("limit", None, "the first N valid rows of every dataset (default: all)",
+                       flag_values=fv)
+  flags.DEFINE_string("judge", None, "helpfulness judge checkpoint (default: the evaluated "
+                      "model)", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "seed of the bootstrap and any sampling", flag_values=fv)
+  flags.DEFINE_integer("max_new_tokens", 128, "answer length in tokens", flag_values=fv)
+  flags.DEFINE_integer("batch_size", 8, "prompts per generation batch", flag_values=fv)
+  return fv
+
+
+def main(argv: list[str], command: str = "eval") -> int:
+  """`meshlm eval ARGS`: argv is everything after `eval`."""
+  fv = make_flags(argv)
+  parse(command, argv, fv, __doc__)
+  require(command, fv, "model", "suite", "out")
+  model_path, out, batch_size = fv["model"].value, fv["out"].value, fv["batch_size"].value
+  try:
+    model, tokenizer = load_any(model_path)
+    judge = None
+    if fv["judge"].value:
+      judge = judge_for(fv["judge"].value, None, batch_size=batch_size)
+      judge.name = os.path.basename(os.path.normpath(fv["judge"].value))
+    info = {"path": model_path, "name": os.path.basename(os.path.normpath(model_path)),
+            "fingerprint": fingerprint(model_path)}
+    report = evaluate_model(model, tokenizer, fv["suite"].value, out, limit=fv["limit"].value,
+                            seed=fv["seed"].value, judge=judge, model_info=info,
+                            max_new_tokens=fv["max_new_tokens"].value, batch_size=batch_size)
+  except (ValueError, FileNotFoundError) as e:
+    print_error(f"meshlm {command}: error: {e}")
+    return EXIT_BAD_INPUT
+  for dim, d in report["dimensions"].items():
+    print(f"{dim}: score {d['score']:.3f} over {len(d['metrics'])} metrics")
+  print(f"meshlm {command}: wrote {os.path.join(out, 'report.json')} and report.html")
+  return 0
