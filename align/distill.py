@@ -14,8 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from align.logprobs import response_mask
-from train.distillation import distill_loss
 from align.tasks import AlignTask
+from models import ConfigError, load_pretrained
+from train.distillation import distill_loss
+from train.workdir import is_workdir, load_trained
 
 
 class DistillTask(AlignTask):
@@ -24,7 +26,6 @@ class DistillTask(AlignTask):
 
   def validate(self):
     super().validate()
-    from models import ConfigError
     d = self.align.distill
     if not d.temperature > 0 or not 0 <= d.alpha <= 1:
       raise ConfigError(f"align.distill: temperature={d.temperature} must be > 0 and "
@@ -36,9 +37,7 @@ class DistillTask(AlignTask):
       raise FileNotFoundError(f"align.distill.teacher: {d.teacher} does not exist")
 
   def more_frozen(self, plan, params, mesh, layout):
-    from models import ConfigError, load_pretrained
     path = self.align.distill.teacher
-    from train.workdir import is_workdir, load_trained
     teacher, teacher_tok = (load_trained(path)[:2] if is_workdir(path)
                             else load_pretrained(path))
     probe = "Distillation needs one tokenizer: Hello, world! 12345 \u00e9t\u00e9"

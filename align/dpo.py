@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from align.data import pair_batch
 from align.datasets import join_pairs, pair_valid
 from align.logprobs import response_lengths, sequence_logps, split_pairs
 from align.preference import dpo_loss
 from align.tasks import AlignTask, pair_sums
-from align.data import pair_batch
+from models import ConfigError
 
 REFERENCES = ("online", "cached")
 
@@ -38,7 +39,6 @@ class DPOTask(AlignTask):
 
   def validate(self):
     super().validate()
-    from models import ConfigError
     d = self.align.dpo
     if d.reference not in REFERENCES:
       raise ConfigError(f"align.dpo.reference={d.reference!r}; choose one of {REFERENCES}")

@@ -20,6 +20,7 @@ import numpy as np
 from align import rl
 from align.logprobs import response_mask
 from align.rollout import OnPolicyTask
+from models import ConfigError
 
 
 class GRPOTask(OnPolicyTask):
@@ -28,7 +29,6 @@ class GRPOTask(OnPolicyTask):
 
   def __init__(self, config, workdir):
     super().__init__(config, workdir)
-    from models import ConfigError
     g = self.rl
     if g.loss_type not in rl.GRPO_LOSS_TYPES:
       raise ConfigError(f"align.grpo.loss_type={g.loss_type!r}; choose one of "
@@ -38,7 +38,6 @@ class GRPOTask(OnPolicyTask):
     self._old = None
 
   def group_size(self) -> int:
-    from models import ConfigError
     g = int(self.align.grpo.group_size)
     if g < 2:
       raise ConfigError(f"align.grpo.group_size={g} must be >= 2 (advantages are relative)")

@@ -38,6 +38,7 @@ from align import rl
 from align.heads import ScalarHead
 from align.logprobs import response_mask
 from align.rollout import VALUE, OnPolicyTask, completion_logps, policy_forward
+from models import ConfigError
 
 KL_LEDGER = "kl_controller.jsonl"
 
@@ -48,7 +49,6 @@ class PPOTask(OnPolicyTask):
 
   def __init__(self, config, workdir):
     super().__init__(config, workdir)
-    from models import ConfigError
     p = self.rl
     if p.kl_estimator not in rl.KL_KINDS:
       raise ConfigError(f"align.ppo.kl_estimator={p.kl_estimator!r}; choose one of "

@@ -14,6 +14,7 @@ from align.heads import RewardModel
 from align.logprobs import split_pairs
 from align.preference import reward_loss
 from align.tasks import AlignTask, pair_sums, wilson_interval
+from models import ConfigError
 
 
 class RewardTask(AlignTask):
@@ -21,7 +22,6 @@ class RewardTask(AlignTask):
 
   def validate(self):
     super().validate()
-    from models import ConfigError
     if self.align.rm.center_coef < 0 or self.align.rm.head_std < 0:
       raise ConfigError(f"align.rm: center_coef={self.align.rm.center_coef} and head_std="
                         f"{self.align.rm.head_std} must be >= 0")

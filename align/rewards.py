@@ -19,6 +19,10 @@ from typing import Callable
 
 import numpy as np
 
+from align.heads import RewardModel, forward_rewards
+from train.checkpoint import restore_params
+from train.workdir import is_workdir, load_model_config, load_tokenizer
+
 RewardFn = Callable[[str, str], float]
 
 
@@ -83,9 +87,6 @@ class RewardModelScorer:
     import jax
     from flax import nnx
 
-    from align.heads import RewardModel, forward_rewards
-    from train.checkpoint import restore_params
-    from train.workdir import is_workdir, load_model_config, load_tokenizer
     if not is_workdir(workdir):
       raise FileNotFoundError(f"reward rm:{workdir}: not a meshlm workdir")
     theirs = load_tokenizer(workdir)

@@ -26,13 +26,22 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from align import datasets as ds_lib
-from align.data import (BadRecord, DataReport, check_messages, empty_batch, encode_chat,
-                        pair_from_record, place_example, sft_from_record)
+from align.data import (
+  BadRecord,
+  DataReport,
+  check_messages,
+  empty_batch,
+  encode_chat,
+  pair_from_record,
+  place_example,
+  sft_from_record,
+)
 from align.logprobs import response_mask, token_logps
 from align.rewards import make_scorer
 from align.tasks import AlignTask
 from infer.engine import Engine
 from infer.sampling import SamplingParams
+from models import ConfigError
 from models.registry import model_inputs
 from train import data as data_lib
 from train import step as step_lib
@@ -269,7 +278,6 @@ class OnPolicyTask(AlignTask):
 
   def __init__(self, config, workdir):
     super().__init__(config, workdir)
-    from models import ConfigError
     self.rl = self.align[self.section]
     self.group = self.group_size()
     new, rows = int(self.rl.max_new_tokens), int(config.batch_size)

@@ -25,9 +25,12 @@ from flax import nnx
 import parallel
 from align import datasets as ds_lib
 from align.lora import init_lora, lora_shardings, merge_lora
+from models import ConfigError
+from models.registry import create_model
 from train.optimizer import make_optimizer
 from train.state import assemble_state, state_shardings
 from train.task import jit_objective_step, to_global
+from train.workdir import MERGED, save_model
 
 METHODS = ("sft", "rm", "dpo", "distill")
 
@@ -59,7 +62,6 @@ class AlignTask:
 
   def validate(self) -> None:
     """Raises ConfigError naming a bad align.* key."""
-    from models import ConfigError
     a = self.align
     if self.rank < 0 or a.lora_alpha <= 0:
       raise ConfigError(f"align.lora_rank={a.lora_rank} must be >= 0 and align.lora_alpha="
@@ -116,7 +118,6 @@ class AlignTask:
 
   def build_module(self, plan, rngs):
     """The nnx module trained (a Transformer; a RewardModel for `rm`)."""
-    from models.registry import create_model
     return create_model(plan.model_cfg, rngs)
 
   def initial_params(self, plan):
@@ -136,7 +137,6 @@ class AlignTask:
 
   def init_state(self, plan, tx, mesh, layout):
     if plan.model_cfg.is_moe:
-      from models import ConfigError
       raise ConfigError("alignment tasks do not train mixture-of-experts models yet: their "
                         "router losses and balancing biases are not applied (pretraining only)")
     params = self.place(self.initial_params(plan), mesh, layout)
@@ -163,7 +163,6 @@ class AlignTask:
     plain workdir (what `meshlm generate --model WORKDIR` and init_from then load)."""
     if not self.rank or self.name == "rm":
       return
-    from train.workdir import MERGED, save_model
     merged = self.policy_params(state["params"], frozen)
     save_model(os.path.join(self.workdir, MERGED), plan.model_cfg, plan.tokenizer, merged, step)
 

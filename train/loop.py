@@ -18,13 +18,15 @@ import jax
 from ml_collections import ConfigDict
 
 import parallel
+from models import param_count
 from train import flops as flops_lib
 from train.checkpoint import Checkpointer
 from train.fault import AnomalyDetector, AnomalyLog, Goodput, Preempted, PreemptionGuard
 from train.gate import EvalGate, gate_configured
 from train.metrics import MetricsWriter
 from train.setup import plan_run
-from train.task import LMTask, batch_sharding as make_batch_sharding, first, to_global
+from train.task import LMTask, first, to_global
+from train.task import batch_sharding as make_batch_sharding
 from train.watchdog import Watchdog
 
 
@@ -127,7 +129,7 @@ class _Run:
     self.anomalies = AnomalyLog(self.workdir)
     self.detector = AnomalyDetector(c.anomaly.window, c.anomaly.zscore)
     if jax.process_index() == 0:
-      print(f"meshlm: {plan.model_cfg.num_params():,} params, "
+      print(f"meshlm: {param_count(plan.model_cfg):,} params, "
             f"{jax.device_count()} device(s) in {jax.process_count()} process(es), "
             f"mesh {dict(self.mesh.shape)}, MFU peak {self.peak / 1e9:.1f} GFLOP/s per device "
             f"({peak_source}); starting at step {self.start}/{c.steps}", flush=True)

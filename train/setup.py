@@ -7,10 +7,13 @@ import jax
 from ml_collections import ConfigDict
 
 import parallel
-from train.defaults import model_config_from
-from models import ConfigError, ModelConfig, Tokenizer
+from models import ConfigError, ModelConfig, Tokenizer, load_pretrained, load_pretrained_tokenizer
 from train import data as data_lib
 from train import workdir as workdir_lib
+from train.defaults import model_config_from
+from train.mlm_data import mask_id
+from train.seq2seq_data import tokenizer_texts
+from train.tokenizer_training import train_bpe_tokenizer
 
 ANOMALY_POLICIES = ("skip", "rollback")
 
@@ -64,12 +67,9 @@ def resolve_tokenizer(config: ConfigDict, workdir: str) -> Tokenizer:
   if path:
     if workdir_lib.is_workdir(path):
       return workdir_lib.load_tokenizer(path)
-    from models import load_pretrained_tokenizer
     return load_pretrained_tokenizer(path)
   if config.tokenizer.train_vocab_size > 0:
-    from train.tokenizer_training import train_bpe_tokenizer
     if config.data.task == "seq2seq":  # the task's own text: its sources and targets
-      from train.seq2seq_data import tokenizer_texts
       texts = tokenizer_texts(config.data)
     else:
       texts = data_lib.load_split(config.data, "train")
@@ -94,7 +94,6 @@ def _initial_params(config: ConfigDict, model_cfg: ModelConfig):
   if workdir_lib.is_workdir(config.init_from):
     model, _, _ = workdir_lib.load_trained(config.init_from)
   else:
-    from models import load_pretrained
     model, _ = load_pretrained(config.init_from)
   from flax import nnx
   return model.cfg, nnx.state(model, nnx.Param)
@@ -135,7 +134,6 @@ def plan_run(config: ConfigDict, workdir: str, before_write=None) -> Plan:
                       "model.dtype='bfloat16' (float32 master weights and optimizer state) "
                       "and serve in float16 if you like")
   if config.data.task == "mlm":
-    from train.mlm_data import mask_id
     mask_id(tokenizer, model_cfg.vocab_size)  # raises, naming the fix, if no id fits
   pipeline = parallel.pipeline_from_config(config.pipeline, dict(mesh.shape), config.sharding,
                                            model_cfg.num_layers,

@@ -13,6 +13,8 @@ import jax
 from flax import nnx
 
 from models import ModelConfig, Tokenizer
+from train.checkpoint import restore_params
+from train.state import abstract_model
 
 MODEL_CONFIG = "model_config.json"
 
@@ -67,8 +69,6 @@ def save_model(workdir: str, model_cfg: ModelConfig, tokenizer: Tokenizer, param
 def load_trained(workdir: str, step: int | None = None):
   """(model, tokenizer, step) from the newest checkpoint of a training workdir (of a LoRA
   run: its merged model, WORKDIR/merged)."""
-  from train.checkpoint import restore_params
-  from train.state import abstract_model
 
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"workdir {workdir} does not exist")

@@ -25,6 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from align.data import encode_chat
+from align.rewards import RewardModelScorer
+from align.rollout import Rollout, completion_batch
+from train.workdir import load_tokenizer
+
 RUBRIC = (
     "You are a careful reviewer comparing two assistant responses to the same conversation. "
     "The better response answers the user's last message helpfully and correctly, stays on "
@@ -205,8 +210,6 @@ class RewardJudge:
 
   def __init__(self, workdir: str, *, max_len: int = 512, batch_size: int = 8,
                temperature: float = 1.0):
-    from align.rewards import RewardModelScorer
-    from train.workdir import load_tokenizer
     self.tokenizer = load_tokenizer(workdir)
     self.scorer = RewardModelScorer(workdir, self.tokenizer)
     self.max_len, self.batch_size, self.temperature = max_len, batch_size, temperature
@@ -214,7 +217,6 @@ class RewardJudge:
   def _row(self, prompt: str, response: str) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids ending in EOS) as RM training encodes them (align/data.py);
     a long prompt keeps its end, a long response its start (and its EOS, where it is read)."""
-    from align.data import encode_chat
     ids_N, mask_N = encode_chat(self.tokenizer, [{"role": "user", "content": prompt},
                                                  {"role": "assistant", "content": response}])
     k = int(np.argmax(mask_N))
@@ -227,7 +229,6 @@ class RewardJudge:
 
   def scores(self, prompt: str, responses: list[str]) -> np.ndarray:
     """One reward per response to a one-turn chat prompt."""
-    from align.rollout import Rollout, completion_batch
     rows = [self._row(prompt, r) for r in responses]
     out = []
     for s in range(0, len(rows), self.batch_size):

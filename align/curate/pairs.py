@@ -31,8 +31,21 @@ import uuid
 import numpy as np
 
 from align.curate import pool as pool_lib
+from align.curate.judge import (
+  PREFILL,
+  RUBRIC,
+  PairwiseJudge,
+  RewardJudge,
+  combine,
+  expected_calibration_error,
+  fit_temperature,
+)
 from align.curate.pairs_publish import item_key, model_ref, publish, read_journal, write_stats
+from align.curate.review_db import ReviewQueue
+from infer import Engine, SamplingParams
 from infer.loading import load_any
+from models.pretrained import smollm_path
+from train.assets import file_ref, read_asset, write_asset
 
 
 def _check(cfg) -> None:
@@ -51,7 +64,6 @@ def _check(cfg) -> None:
 def _model_path(path: str) -> str:
   if path:
     return path
-  from models.pretrained import smollm_path
   found = smollm_path()
   if found is None:
     raise FileNotFoundError("no model path given and SmolLM2-135M-Instruct is not installed "
@@ -116,7 +128,6 @@ class Builder:
 
   def _pool_assets(self) -> list[str]:
     """The pool's prompts (written once as assets "prompts" and "prompts_eval")."""
-    from train.assets import file_ref, read_asset, write_asset
     p = self.cfg.pool
     if "pool_asset" not in self.state:
       prompts, report = pool_lib.read_pool(p.path, p.format, text_key=p.text_key,
@@ -142,7 +153,6 @@ class Builder:
     return prompts[:p.limit] if p.limit else prompts
 
   def _models(self):
-    from align.curate.judge import PREFILL, RUBRIC, PairwiseJudge, RewardJudge
     self.student_path = _model_path(self.cfg.student.model)
     self.student, self.tokenizer = load_any(self.student_path)
     t = self.cfg.teacher
@@ -171,7 +181,6 @@ class Builder:
 
   def _calibrate(self) -> None:
     """Fits the judge's temperature once on labelled pairs of the calibration prompts."""
-    from align.curate.judge import expected_calibration_error, fit_temperature
     t = self.cfg.teacher
     if t.temperature:
       self.state.setdefault("calibration", {"temperature": t.temperature, "fitted": False})
@@ -203,7 +212,6 @@ class Builder:
     self.judge.temperature = self.state["calibration"]["temperature"]
 
   def _candidates(self, prompts: list[str]) -> list[list[str]]:
-    from infer import Engine, SamplingParams
     s = self.cfg.student
     if not hasattr(self, "engine"):
       self.engine = Engine(self.student, self.tokenizer, max_seq_len=min(
@@ -224,7 +232,6 @@ class Builder:
   def _rank(self, prompt: str, cands: list[str]):
     """(best, worst, judgement of best vs worst oriented so "A" = best, mean win
     probabilities) from every pair of candidates, each judged in both orders."""
-    from align.curate.judge import combine
     n = len(cands)
     pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
     judged = self.judge.judge([(prompt, cands[i], cands[j]) for i, j in pairs])
@@ -290,7 +297,6 @@ class Builder:
 
   def run(self) -> dict:
     """Builds (or resumes) the pairs, then publishes."""
-    from align.curate.review_db import ReviewQueue
     start = time.time()
     prompts = self._pool_assets()
     journal = os.path.join(self.workdir, "journal.jsonl")
@@ -323,7 +329,6 @@ class Builder:
     return self.publish(queue, time.time() - start)
 
   def publish(self, queue=None, wall_s: float = 0.0) -> dict:
-    from align.curate.review_db import ReviewQueue
     if "pool_asset" not in self.state or "models" not in self.state:
       raise ValueError(f"{self.workdir}: no pairs built here yet, nothing to publish")
     queue = queue or ReviewQueue(self.db_path)

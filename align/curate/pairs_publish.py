@@ -4,6 +4,10 @@ import hashlib
 import json
 import os
 
+from align.curate.judge import RUBRIC
+from train.assets import asset_ref, file_ref, sha256_file, write_asset
+from train.workdir import is_workdir
+
 
 def item_key(seed: int, text: str, k: int) -> int:
   """A stable 31-bit sampling seed for candidate k of a prompt."""
@@ -47,7 +51,6 @@ def read_journal(path: str, repair: bool = False) -> list[dict]:
 def model_ref(path: str) -> dict:
   """Lineage of a model: a file's sha256, or for a directory (a workdir, an HF directory)
   the sha256 of its files' names and contents, with a workdir's newest checkpoint step."""
-  from train.assets import file_ref
   if os.path.isfile(path):
     return file_ref(path)
   h, total = hashlib.sha256(), 0
@@ -65,7 +68,6 @@ def model_ref(path: str) -> dict:
           total += len(block)
   ref = {"path": os.path.abspath(path), "tree_sha256": h.hexdigest(), "bytes": total}
   try:
-    from train.workdir import is_workdir
     if is_workdir(path):
       steps = [int(d) for d in os.listdir(os.path.join(path, "checkpoints")) if d.isdigit()]
       ref["checkpoint_step"] = max(steps) if steps else None
@@ -123,7 +125,6 @@ def _human_pair(item: dict) -> tuple[str, str] | None:
 def publish(builder, journal: str, queue, stats: dict) -> str:
   """Writes the "pairs" asset: teacher pairs (an audited one follows the human's label where
   a human gave one), then pairs humans resolved from the review queue."""
-  from train.assets import asset_ref, file_ref, sha256_file, write_asset
   prefix = builder.state["run_id"] + "-"
   resolved = {r["item_id"][len(prefix):]: r for r in queue.resolved()
               if r["item_id"].startswith(prefix)}
@@ -146,7 +147,6 @@ def publish(builder, journal: str, queue, stats: dict) -> str:
         rows.append({"id": e["id"], "prompt": e["prompt"], "chosen": pair[0],
                      "rejected": pair[1], "source": "human", "confidence": None})
   cfg = builder.cfg
-  from align.curate.judge import RUBRIC
   rubric = cfg.teacher.rubric or RUBRIC
   lineage = dict(
       pool=asset_ref(builder.state["pool_asset"]),

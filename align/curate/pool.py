@@ -20,6 +20,7 @@ import os
 import zlib
 
 from align.data import BadRecord, pair_from_record, parse_hh
+from train.decontam import build_index, check_rows
 
 FORMATS = ("hh", "alpaca", "jsonl")
 MAX_BAD_SHARE = 0.5
@@ -123,7 +124,6 @@ def drop_contaminated(prompts: list[str], eval_sets: str = "default", n: int = 1
   """The prompts that share no n-gram with a protected evaluation set (train/decontam.py),
   and {eval set: prompts dropped}: a pool must not turn evaluation prompts into training
   data (hh-rlhf's helpful-base openings are where AlpacaEval's helpful_base came from)."""
-  from train.decontam import build_index, check_rows
   if not eval_sets:
     return prompts, {}
   report = check_rows(prompts, build_index(eval_sets, n=n))

@@ -25,6 +25,8 @@ import sqlite3
 import threading
 import time
 
+from train.assets import file_ref, write_asset
+
 LABELS = ("A", "B", "tie", "both_bad")
 KINDS = ("review", "audit")
 VERDICTS = ("A", "B", "tie")
@@ -351,7 +353,6 @@ class ReviewQueue:
   def export(self, root: str) -> str:
     """Writes the resolved items as the data asset ROOT/review_results/vK plus its report
     (report.json beside the data); returns the version directory."""
-    from train.assets import file_ref, write_asset
     con = sqlite3.connect(self.path, timeout=30.0)
     try:
       con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the WAL into the file: hash the content

@@ -37,6 +37,10 @@ import time
 
 from align.curate import selfinstruct_filters as F
 from align.curate.selfinstruct_io import JsonlLog, check_config, load_seeds, resolve, write_outputs
+from infer import Engine, SamplingParams
+from infer.embed import embed
+from infer.serving import PagedEngine
+from models import load_pretrained
 
 
 class Generator:
@@ -47,8 +51,6 @@ class Generator:
   KINDS = ("static", "paged")
 
   def __init__(self, cfg):
-    from infer import SamplingParams
-    from models import load_pretrained
     self.SamplingParams = SamplingParams
     self.cfg = cfg
     for stage in ("bootstrap", "classify", "instances"):
@@ -61,8 +63,6 @@ class Generator:
     self.tokens = 0
 
   def use(self, stage: str) -> None:
-    from infer import Engine
-    from infer.serving import PagedEngine
     if stage != self.stage:
       e = self.cfg.engines[stage]
       kw = dict(max_seq_len=e.max_seq_len, max_batch=e.max_batch,
@@ -88,11 +88,9 @@ class Embedder:
   """MiniLM sentence embeddings (meshlm's BERT) of a pool and of candidates."""
 
   def __init__(self, path: str):
-    from models import load_pretrained
     self.model, self.tokenizer = load_pretrained(path)
 
   def __call__(self, texts: list[str]):
-    from infer.embed import embed
     return embed(self.model, self.tokenizer, texts)
 
 

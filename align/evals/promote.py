@@ -28,7 +28,10 @@ import shutil
 import jax
 
 from align.evals import gate, suites
+from align.evals.helpful import judge_for
+from train import decontam
 from train.gate import gate_configured
+from train.workdir import save_model
 
 GENERATING_ARCHS = ("decoder", "prefix_lm")
 
@@ -36,7 +39,6 @@ GENERATING_ARCHS = ("decoder", "prefix_lm")
 def check_protected(suite: str, decontam_cfg=None) -> None:
   """Evaluation first: the sets `suite` reads must be registered as protected and selected
   by the run's decontamination check, so its training data cannot contain them."""
-  from train import decontam
   registered = {e["name"] for e in decontam.load_registry()}
   missing = [s for s in suites.suite_sets(suite) if s not in registered]
   if missing:
@@ -112,7 +114,6 @@ class Promoter:
   """A started gate (train/gate.py GateRun): evaluates, gates and promotes (module docstring)."""
 
   def __init__(self, cfg, workdir: str, plan, model_at_start, start_step: int):
-    from align.evals.helpful import judge_for
     self.cfg, self.workdir, self.plan = cfg, workdir, plan
     self.root = os.path.join(workdir, "evals")
     self.judge = None
@@ -163,7 +164,6 @@ class Promoter:
   def _promote(self, step: int, model, report_path: str) -> None:
     """WORKDIR/promoted/ <- the model (written aside, then swapped in), promoted.json."""
     from flax import nnx
-    from train.workdir import save_model
     final = os.path.join(self.workdir, "promoted")
     tmp, old = final + ".tmp", final + ".old"
     for d in (tmp, old):

@@ -14,6 +14,11 @@ import hashlib
 import json
 import os
 
+from align.evals import harmless, helpful, honest, html, redteam_suite
+from align.evals.runner import ChatModel, output_counts
+from align.evals.stats import oriented
+from train.workdir import MERGED, is_workdir
+
 SUITES = {"hhh": ("helpful", "harmless", "honest"), "helpful": ("helpful",),
           "harmless": ("harmless",), "honest": ("honest",), "redteam": ("redteam",)}
 SCHEMA = 1
@@ -33,7 +38,6 @@ def _model_files(path: str) -> list[str]:
   """The files a model load reads: a file itself; of a meshlm workdir (of a LoRA run: its
   merged model) the config, tokenizer and newest checkpoint only, not its logs or evals;
   of any other directory, all its files."""
-  from train.workdir import MERGED, is_workdir
   if os.path.isfile(path):
     return [path]
   if is_workdir(path):
@@ -66,7 +70,6 @@ def fingerprint(path: str) -> str:
 
 def run_suite(chat, suite: str, *, limit: int | None, seed: int, judge=None) -> dict:
   """Runs the suite's dimensions on `chat` (runner.ChatModel); returns the report's body."""
-  from align.evals import harmless, helpful, honest, redteam_suite
   parts = []
   for dim in SUITES[suite]:
     if dim == "helpful":
@@ -88,7 +91,6 @@ def merge_parts(parts: list[dict]) -> dict:
     for key in ("metrics", "tables", "examples", "skipped"):
       body[key].update(p.get(key, {}))
     responses += list(p.get("responses", []))
-  from align.evals.runner import output_counts
   body["counts"] = output_counts(responses)
   body["responses"] = responses
   return body
@@ -96,7 +98,6 @@ def merge_parts(parts: list[dict]) -> dict:
 
 def dimension_scores(metrics: dict) -> dict:
   """Each dimension's score: the mean of its metrics turned so that higher is better."""
-  from align.evals.stats import oriented
   out = {}
   for name, m in sorted(metrics.items()):
     out.setdefault(m["dimension"], {"metrics": []})["metrics"].append(name)
@@ -128,7 +129,6 @@ def atomic_write(path: str, text: str) -> None:
 
 def write_outputs(out_dir: str, report: dict, examples: dict) -> None:
   """report.json, responses.jsonl and report.html, each written atomically."""
-  from align.evals import html
   os.makedirs(out_dir, exist_ok=True)
   lines = []
   for metric_name, rows in sorted(examples.items()):
@@ -144,7 +144,6 @@ def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: 
                    seed: int = 0, judge=None, model_info: dict | None = None,
                    max_new_tokens: int = 128, batch_size: int = 8) -> dict:
   """Runs `suite` on a loaded model; writes the outputs when `out_dir`; returns the report."""
-  from align.evals.runner import ChatModel
   if suite not in SUITES:
     raise ValueError(f"unknown suite {suite!r}; choose one of {sorted(SUITES)}")
   if limit is not None and limit < 1:

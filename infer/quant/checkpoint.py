@@ -21,9 +21,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from models import ModelConfig, Tokenizer
 from models.quant.formats import QuantFormat, check_group, parse_format
 from models.quant.qarray import QArray
 from models.quant.rules import CONTRACTS, axes_of, contraction_size
+from models.registry import abstract_model
 
 QUANT_JSON = "quant.json"
 # 2: float16 scales, unsigned codes, output-major embedding tables. Orbax would cast an
@@ -165,8 +167,6 @@ def read_info(directory: str) -> dict:
 
 def load_quantized(directory: str):
   """(model, tokenizer or None) from a directory save_quantized wrote."""
-  from models import ModelConfig, Tokenizer
-  from models.registry import abstract_model
 
   info = read_info(directory)
   cfg = ModelConfig.from_mapping(info["model_config"])

@@ -23,6 +23,7 @@ from flax import nnx
 
 from models.quant.qarray import QArray
 from train.distillation import distill_loss
+from train.step import objective_step
 
 
 def _is_q(x) -> bool:
@@ -53,7 +54,6 @@ def tune_scales(model, teacher, calib_ids_NT, *, epochs: int = 2, batch: int = 8
                 lr: float = 1e-3, seed: int = 0, log=None) -> dict:
   """Trains the scales of `model`'s QArrays in place toward `teacher` (the float model it
   was quantized from) on the calibration ids [N, T]; returns {"kl": [per step], ...}."""
-  from train.step import objective_step
   ids = np.asarray(calib_ids_NT, np.int32)
   if ids.ndim != 2 or ids.shape[1] < 2 or len(ids) < batch:
     raise ValueError(f"scale tuning needs [N, T] calibration ids with N >= batch={batch} and "

@@ -24,6 +24,13 @@ import sys
 import time
 from typing import Mapping
 
+import parallel
+from models.registry import EXTRA_INPUTS
+from train.defaults import model_config_from
+from train.optimizer import make_optimizer
+from train.state import abstract_model, state_shardings
+from train.step import jit_train_step
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -34,12 +41,6 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from ml_collections import ConfigDict
-
-  import parallel
-  from train.defaults import model_config_from
-  from train.optimizer import make_optimizer
-  from train.state import abstract_model, state_shardings
-  from train.step import jit_train_step
 
   config = config if isinstance(config, ConfigDict) else ConfigDict(config)
   model_cfg = model_config_from(config)
@@ -84,7 +85,6 @@ def abstract_batch(config, model_cfg) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from models.registry import EXTRA_INPUTS
   b, t = int(config.batch_size), int(config.seq_len)
   s = int(config.data.seq2seq.source_len)
   shape = lambda key: (b, s) if key.startswith("enc_") else (b, t)  # noqa: E731
@@ -97,7 +97,6 @@ def abstract_batch(config, model_cfg) -> dict:
 
 def _pipeline(config, mesh, sharding, model_cfg):
   """The pipeline schedule training runs for this config (as train/loop.py builds it), or none."""
-  import parallel
   section = config.get("pipeline", None) or dict(microbatches=0, repeats=1, schedule="gpipe")
   pcfg = parallel.pipeline_from_config(section, dict(mesh.shape), sharding, model_cfg.num_layers,
                                        int(config.batch_size) // int(config.grad_accum))

@@ -58,8 +58,13 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
+from models.attention import AUTO_NAIVE_MAX_SCORES
 from parallel.mesh import MESH_AXES, resolve_axis_sizes
-from parallel.rules import BATCH_AXES, get_layout, logical_shardings, logical_to_spec
+from parallel.rules import BATCH_AXES, LOGICAL_AXES, get_layout, logical_shardings, logical_to_spec
+from train.defaults import model_config_from
+from train.flops import train_flops_per_token
+from train.optimizer import make_optimizer
+from train.state import abstract_model
 
 F32 = 4
 GiB = 2 ** 30
@@ -98,7 +103,6 @@ def _get(section, key, default):
 
 
 def workload_from_config(config: ConfigDict) -> Workload:
-  from train.defaults import model_config_from
   model = model_config_from(config)
   pipe = config.get("pipeline", None)
   # Dropless routes exactly top_k copies of each token; the capacity path pads to its factor.
@@ -118,7 +122,6 @@ _FLASH_BLOCK = 512  # models/attention.py's default block_q / block_kv
 
 def _flash(cfg, seq_len: int) -> bool:
   """Whether attention runs a flash kernel (O(T) memory) rather than materialising scores."""
-  from models.attention import AUTO_NAIVE_MAX_SCORES
   if cfg.attention_impl == "auto":
     return seq_len * seq_len >= AUTO_NAIVE_MAX_SCORES
   return cfg.attention_impl != "naive"
@@ -141,8 +144,6 @@ class Planner:
   """Estimates for one config (model, batch, optimizer) over any mesh and layout."""
 
   def __init__(self, config: ConfigDict):
-    from train.optimizer import make_optimizer
-    from train.state import abstract_model
     self.config = config
     self.work = workload_from_config(config)
     _, self.params = abstract_model(self.work.model)
@@ -347,7 +348,6 @@ def _add(comm, kind, axes, nbytes):
 
 
 def _axis_used(axis, rules, layout, mesh) -> bool:
-  from parallel.rules import LOGICAL_AXES
   names = LOGICAL_AXES + ("experts",)
   return any(axis in _axes(logical_to_spec((n,), r, mesh)[0])
              for n in names for r in (rules, layout.opt_rules))
@@ -372,7 +372,6 @@ def _zero1_gather(params, p_sh, opt_state, o_sh, sizes) -> dict:
       key = "+".join(extra)
       out[key] = out.get(key, 0) + local * (n - 1) / n
   return out
-
 
 
 # Checkpoint interval. Failures are assumed independent per device, so a job on
@@ -405,7 +404,6 @@ def checkpoint_waste(interval_seconds: float, checkpoint_seconds: float,
 
 def step_flops(work: Workload) -> float:
   """Model FLOPs of one step (train/flops.py's count; MoE: top_k experts' MLPs per token)."""
-  from train.flops import train_flops_per_token
   cfg = work.model
   per_token = train_flops_per_token(cfg, work.seq_len)
   return per_token * work.batch_size * work.seq_len

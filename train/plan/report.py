@@ -21,6 +21,7 @@ tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
 --watts_per_device, --pue and --usd_per_kwh.
 """
 
+from train.plan.aot import compare, compile_in_subprocess
 from train.plan.cost import comm_split, cost_estimate
 from train.plan.planner import GiB, Planner, checkpoint_recommendation, step_flops
 
@@ -117,7 +118,6 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
   out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
   out["cost"] = plan_cost(planner, est, devices, **(cost or {}))
   if compile_:
-    from train.plan.aot import compare, compile_in_subprocess
     compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
     out["compiled"] = compiled
     out["comparison"] = compare(est["memory"]["total"], compiled)
