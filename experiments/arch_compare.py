@@ -20,7 +20,7 @@ Without `:ARCH`, `meshlm train --config experiments/arch_compare.py` trains the 
 
 import os
 
-from train.defaults import base_config, model_config_from
+from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("decoder", "prefix_lm", "encoder_decoder")
