@@ -7,7 +7,9 @@
 PATH is anything `meshlm generate` loads (a workdir, an HF directory, a .gguf file).
 `hhh` runs helpful, harmless and honest; `redteam` runs the attack library
 (align/evals/attacks.py). `--limit N` takes the first N valid rows of every dataset.
-`--judge` is the helpfulness judge (default: the evaluated model).
+`--judge` is the helpfulness judge. Without it the evaluated model judges its own answers:
+the report says so (report["judge"]["self"]), and `meshlm gate` will not compare those win
+rates. For reports you will gate, pass one fixed --judge to all of them.
 
 DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html (one
 self-contained page with plots) and responses.jsonl (every answer, for audit); the same
@@ -37,8 +39,9 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
                       "responses.jsonl", flag_values=fv)
   flags.DEFINE_integer("limit", None, "the first N valid rows of every dataset (default: all)",
                        flag_values=fv)
-  flags.DEFINE_string("judge", None, "helpfulness judge checkpoint (default: the evaluated "
-                      "model)", flag_values=fv)
+  flags.DEFINE_string("judge", None, "helpfulness judge checkpoint, the same for every report "
+                      "you will gate (default: the evaluated model judges itself, and the gate "
+                      "will not compare its win rates)", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "seed of the bootstrap and any sampling", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", 128, "answer length in tokens", flag_values=fv)
   flags.DEFINE_integer("batch_size", 8, "prompts per generation batch", flag_values=fv)
@@ -53,13 +56,15 @@ def main(argv: list[str], command: str = "eval") -> int:
   model_path, out, batch_size = fv["model"].value, fv["out"].value, fv["batch_size"].value
   try:
     model, tokenizer = load_any(model_path)
-    judge = None
-    if fv["judge"].value:
+    judge, suite = None, fv["suite"].value
+    if fv["judge"].value and not os.path.exists(fv["judge"].value):
+      raise FileNotFoundError(f"--judge {fv['judge'].value} does not exist")
+    if fv["judge"].value and "helpful" in SUITES[suite]:  # only the win rates are judged
       judge = judge_for(fv["judge"].value, None, batch_size=batch_size)
       judge.name = os.path.basename(os.path.normpath(fv["judge"].value))
     info = {"path": model_path, "name": os.path.basename(os.path.normpath(model_path)),
             "fingerprint": fingerprint(model_path)}
-    report = evaluate_model(model, tokenizer, fv["suite"].value, out, limit=fv["limit"].value,
+    report = evaluate_model(model, tokenizer, suite, out, limit=fv["limit"].value,
                             seed=fv["seed"].value, judge=judge, model_info=info,
                             max_new_tokens=fv["max_new_tokens"].value, batch_size=batch_size)
   except (ValueError, FileNotFoundError) as e:
@@ -67,5 +72,9 @@ def main(argv: list[str], command: str = "eval") -> int:
     return EXIT_BAD_INPUT
   for dim, d in report["dimensions"].items():
     print(f"{dim}: score {d['score']:.3f} over {len(d['metrics'])} metrics")
+  if (report["judge"] or {}).get("self"):
+    print(f"meshlm {command}: note: the evaluated model judged its own answers; `meshlm gate` "
+          "compares these win rates only as a baseline's, against candidates judged by this "
+          "model (a candidate needs a --judge that is not itself)")
   print(f"meshlm {command}: wrote {os.path.join(out, 'report.json')} and report.html")
   return 0

@@ -14,12 +14,13 @@ A small model from scratch (SmolLM2's tokenizer), taught to refuse, then damaged
       --limit 16 --max_new_tokens 16 --out runs/damage/eval_refuse
   meshlm gate --baseline runs/damage/eval_refuse/report.json \
       --candidate runs/damage/tiny_comply/evals/step_40/report.json   # exits 1
+  (both judged by tiny_refuse: the gate compares win rates of one judge only)
 
 SmolLM2-135M-Instruct damaged by LoRA SFT on refusal-free completions of harmful prompts:
   meshlm sft --config experiments/gate_damage.py:smollm2_comply \\
       --workdir runs/damage/smollm2_comply --config.data.path=runs/damage/comply.jsonl
-  meshlm eval --model runs/damage/smollm2_comply/merged --suite harmless --limit 100 \\
-      --out runs/damage/smollm2_comply_eval
+  meshlm eval --model runs/damage/smollm2_comply/merged --suite harmless --limit 50 \\
+      --max_new_tokens 64 --out runs/damage/smollm2_comply_eval   # as the baseline was made
   meshlm gate --baseline docs/results/evals/smollm2_harmless/report.json \\
       --candidate runs/damage/smollm2_comply_eval/report.json
 """

@@ -4,8 +4,8 @@ A small model (SmolLM2's tokenizer, 3M parameters) is taught by `meshlm sft` to 
 red-team prompts of hh-rlhf harmless-base, then damaged by SFT on refusal-free completions
 of the same kind of prompts (hh-rlhf's rejected, more harmful replies). The damaged run
 gates itself (eval_gate) and is refused promotion; `meshlm gate` fails the damaged
-checkpoint and passes the original against itself; and two evaluations of one model give
-byte-identical reports.
+checkpoint and passes the original against itself (its self-judged win rates skipped); and
+two evaluations of one model give byte-identical reports.
 """
 
 import json
@@ -54,9 +54,9 @@ def evaluate(model, judge, out):
              "hhh", "--limit", "16", "--max_new_tokens", "16", "--out", str(out))
 
 
-def gate(baseline, candidate):
+def gate(baseline, candidate, *extra):
   return run("-m", "cli.main", "gate", "--baseline", str(baseline), "--candidate",
-             str(candidate), check=False)
+             str(candidate), *extra, check=False)
 
 
 def test_the_damaged_run_is_not_promoted(runs):
@@ -80,9 +80,13 @@ def test_gate_fails_the_damaged_checkpoint_and_passes_the_original(runs):
   failed = gate(d / "eval_refuse" / "report.json", damaged)
   assert failed.returncode == 1, failed.stdout + failed.stderr
   assert "REGRESSED harmless/advbench_refusal" in failed.stdout
-  passed = gate(d / "comply" / "evals" / "step_0" / "report.json",
-                d / "eval_refuse" / "report.json")
+  # the original judged its own answers there, so its win rates are not compared
+  step_0 = d / "comply" / "evals" / "step_0" / "report.json"
+  refused = gate(step_0, d / "eval_refuse" / "report.json")
+  assert refused.returncode == 2 and "the candidate judged its own answers" in refused.stderr
+  passed = gate(step_0, d / "eval_refuse" / "report.json", "--skip_judged")
   assert passed.returncode == 0, passed.stdout + passed.stderr
+  assert "SKIPPED helpful/alpaca_eval_win_rate: scored by a judge" in passed.stdout
   for name in ("report.json", "report.html", "responses.jsonl"):
     assert (d / "eval_refuse" / name).stat().st_size > 0
   assert not [p for p in os.listdir(d / "eval_refuse") if ".tmp" in p]
@@ -95,8 +99,10 @@ def test_evaluation_matches_the_committed_baseline(runs):
   d, _ = runs
   if not (d / "eval_refuse" / "report.json").exists():
     evaluate(d / "refuse", d / "refuse", d / "eval_refuse")
-  result = gate(GOLDEN, d / "eval_refuse" / "report.json")
+  # the golden report predates judge fingerprints: its win rates are never compared
+  result = gate(GOLDEN, d / "eval_refuse" / "report.json", "--skip_judged")
   assert result.returncode == 0, result.stdout + result.stderr
+  assert "SKIPPED helpful/mt_bench_win_rate: scored by a judge" in result.stdout
   golden = json.loads(open(GOLDEN).read())
   assert {m["dimension"] for m in golden["metrics"].values()} == {"helpful", "harmless",
                                                                   "honest"}
@@ -111,6 +117,6 @@ def test_the_same_model_and_seed_give_identical_reports(runs):
   a = json.loads((d / "eval_refuse" / "report.json").read_text())
   b = json.loads((d / "comply" / "evals" / "step_0" / "report.json").read_text())
   for key in ("metrics", "dimensions", "tables", "counts", "skipped", "examples", "seed",
-              "limit", "suite", "settings"):
+              "limit", "suite", "settings", "judge"):
     # compared as JSON text: a NaN (a metric without examples) never equals itself
     assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key

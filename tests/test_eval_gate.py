@@ -86,12 +86,15 @@ def test_broken_evaluations_fail():
 
 def test_reports_made_differently_are_not_compared():
   m = rate("honest/x", 100, dimension="honest")
-  base = dict(report(**{"honest/x": m}), seed=0, settings={"max_new_tokens": 64, "judge": "a"})
-  for change in ({"seed": 1}, {"settings": {"max_new_tokens": 128, "judge": "a"}},
-                 {"settings": {"max_new_tokens": 64, "judge": "b"}}):
+  base = dict(report(**{"honest/x": m}), seed=0,
+              settings={"max_new_tokens": 64, "decoding": "greedy"})
+  for change in ({"seed": 1}, {"settings": {"max_new_tokens": 128, "decoding": "greedy"}},
+                 {"settings": {"max_new_tokens": 64, "decoding": "sampled"}}):
     with pytest.raises(ValueError, match="not comparable"):
       gate.compare(base, dict(base, **change))
   assert gate.compare(base, dict(base))["passed"]
+  # the judge matters only to judged metrics (tests/test_eval_judges.py), not to this one
+  assert gate.compare(dict(base, judge=None), dict(base, judge={"name": "j"}))["passed"]
 
 
 def test_bad_tolerances_and_reports_are_refused(tmp_path):

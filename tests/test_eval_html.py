@@ -141,8 +141,8 @@ def test_partial_and_malformed_reports():
     report_html.render({"schema": 1, "suite": "hhh"})
   with pytest.raises(ValueError, match="metric 'helpful/x' is a float"):
     report_html.render({"schema": 1, "suite": "hhh", "metrics": {"helpful/x": 0.5}})
-  with pytest.raises(ValueError, match="schema 2 is not supported"):
-    report_html.render({"schema": 2, "suite": "hhh", "metrics": {}})
+  with pytest.raises(ValueError, match="schema 3 is not supported"):
+    report_html.render({"schema": 3, "suite": "hhh", "metrics": {}})
   with pytest.raises(SystemExit, match="screenshot: no HTML file at /nonexistent.html"):
     screenshot_main(["/nonexistent.html", "/tmp/never.png"])
 

@@ -12,14 +12,19 @@ name first, then by dimension, then "all", then DEFAULT_MAX_DROP.
 
 A metric missing from the candidate, one that became NaN, or one measured on a different
 number of examples fails too: that is an evaluation that broke, not a model that improved.
-Reports run differently (another seed, answer length, decoding or judge) are not
-comparable and are refused. Exit status 0: passed; 1: regressed (each failure printed
-with why); 2: unusable or incomparable reports.
+Reports run differently (another seed, answer length or decoding) are not comparable and
+are refused. Judged metrics (the win rates) are compared only when the same judge weights
+scored both reports and the candidate did not judge itself (align/evals/judges.py);
+otherwise the gate refuses, naming both judges, or with skip_judged compares the other
+metrics and lists the judged ones as skipped. Exit status 0: passed; 1: regressed (each
+failure printed with why); 2: unusable or incomparable reports.
 """
 
 import json
 import math
 
+from align.evals import judges
+from align.evals.helpful import is_judged
 from align.evals.stats import DIMENSIONS, oriented
 from align.evals.suites import atomic_write
 
@@ -68,7 +73,13 @@ def load_report(path: str) -> dict:
 
 
 COMPARABLE = ("seed", "limit")
-COMPARABLE_SETTINGS = ("max_new_tokens", "decoding", "judge")
+# the judge is checked by its weights, and only for judged metrics (judges.refusal)
+COMPARABLE_SETTINGS = ("max_new_tokens", "decoding")
+
+
+class JudgeRefused(ValueError):
+  """The reports' judged metrics were scored by different judges, an unknown one, or the
+  candidate itself."""
 
 
 def check_comparable(baseline: dict, candidate: dict) -> None:
@@ -83,21 +94,36 @@ def check_comparable(baseline: dict, candidate: dict) -> None:
                      + "; ".join(diffs))
 
 
-def compare(baseline: dict, candidate: dict, max_drop: dict | None = None) -> dict:
-  """{"passed": bool, "failures": [...], "checks": [...]} for two loaded reports."""
-  max_drop = max_drop or {}
-  check_comparable(baseline, candidate)
+def check_tolerances(baseline: dict, max_drop: dict) -> None:
+  """Raises ValueError when `max_drop` names neither a dimension nor a baseline metric."""
   unknown = [k for k in max_drop if k != "all" and k not in DIMENSIONS
              and k not in baseline["metrics"]]
   if unknown:
     raise ValueError(f"--max_drop names {unknown}: neither a dimension {DIMENSIONS} nor a "
                      "metric of the baseline report")
+
+
+def compare(baseline: dict, candidate: dict, max_drop: dict | None = None, *,
+            skip_judged: bool = False) -> dict:
+  """{"passed": bool, "failures": [...], "checks": [...], "judges": {...}} for two loaded
+  reports. Raises JudgeRefused when their judged metrics may not be compared (the message
+  names both judges), unless `skip_judged`: then every judged metric is skipped."""
+  max_drop = max_drop or {}
+  check_comparable(baseline, candidate)
+  check_tolerances(baseline, max_drop)
+  refused = judges.refusal(baseline, candidate)
+  if refused and not skip_judged:
+    raise JudgeRefused(refused)
   checks, failures = [], []
   for name, base in sorted(baseline["metrics"].items()):
     tol = tolerance(name, base, max_drop)
     cand = candidate["metrics"].get(name)
     check = {"metric": name, "dimension": base.get("dimension"), "tolerance": tol}
-    if not _finite(base):
+    if skip_judged and is_judged(name):
+      why = judges.reason(baseline, candidate)
+      check.update(status="skipped", why="scored by a judge, and skip_judged is set"
+                   + (f" ({why})" if why else ""))
+    elif not _finite(base):
       check.update(status="skipped", why="the baseline value is NaN (no examples)")
     elif cand is None:
       check.update(status="failed", why="missing from the candidate report")
@@ -124,7 +150,9 @@ def compare(baseline: dict, candidate: dict, max_drop: dict | None = None) -> di
     checks.append(check)
     if check["status"] == "failed":
       failures.append(check)
-  return {"passed": not failures, "failures": failures, "checks": checks}
+  return {"passed": not failures, "failures": failures, "checks": checks,
+          "judges": {"baseline": judges.describe(baseline),
+                     "candidate": judges.describe(candidate)}}
 
 
 def _finite(m: dict) -> bool:

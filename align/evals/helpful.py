@@ -39,6 +39,11 @@ def _win_scores(judge, prompts, answers, references):
   return scores, verdicts
 
 
+def is_judged(name: str) -> bool:
+  """Whether metric `name` is scored by the judge (the win rates, named by win_rate())."""
+  return name.startswith("helpful/") and name.endswith("_win_rate")
+
+
 def win_rate(chat, judge, rows, name: str, *, seed: int) -> tuple[dict, list, list]:
   """(metrics, examples, responses) of the model's answers to `rows` ({prompt, reference})
   judged against the references."""

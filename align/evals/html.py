@@ -92,8 +92,9 @@ def metric_rows(report: dict) -> list[dict]:
   """The report's metrics, normalised for display; ValueError names a malformed report."""
   if not isinstance(report, dict):
     raise ValueError(f"report must be a dict, not {type(report).__name__}")
-  if report.get("schema", 1) != 1:
-    raise ValueError(f"report schema {report.get('schema')!r} is not supported (expected 1)")
+  if report.get("schema", 1) not in (1, 2):  # 2 adds report["judge"] (align/evals/judges.py)
+    raise ValueError(f"report schema {report.get('schema')!r} is not supported (expected 1 "
+                     "or 2)")
   if not isinstance(metrics := report.get("metrics"), dict):
     raise ValueError("report has no 'metrics' dict")
   rows = []
@@ -264,6 +265,10 @@ def header(report: dict) -> str:
   meta += [f"path <b>{esc(model['path'])}</b>"] if model.get("path") else []
   if fp := str(model.get("fingerprint") or ""):
     meta.append(f'fingerprint <b title="{esc(fp)}">{esc(fp[:23])}{"…" * (len(fp) > 23)}</b>')
+  if isinstance(judge := report.get("judge"), dict):
+    w = str(judge.get("weights_sha256") or "")
+    meta.append(f'judge <b title="{esc(w)}">{esc(judge.get("name"))}</b>'
+                + (" (itself)" if judge.get("self") else ""))
   chips = "".join(f'<span class="chip">{esc(str(k))}={esc(v)}</span>'
                   for k, v in items(report.get("settings")))
   return (f"<header><div><h1>Evaluation report · {esc(name)}</h1>"

@@ -5,9 +5,10 @@ Config (train/defaults.py, `eval_gate`):
   every      evaluate at every N-th step (and the last); 0: off
   suite      an `meshlm eval` suite (hhh, helpful, harmless, honest, redteam)
   limit      rows per dataset (small: this runs inside training)
-  baseline   a report.json made the same way (seed, answer length, judge); empty: the
-             starting model's own report (WORKDIR/evals/step_0), so a run never promotes a
-             model worse than where it started
+  baseline   a report.json made the same way (seed, answer length, and for the win rates
+             the same judge weights); empty: the starting model's own report
+             (WORKDIR/evals/step_0), so a run never promotes a model worse than where it
+             started. A baseline judged by another judge is refused before training.
   max_drop   the gate's tolerances, "helpful=0.02,..." (align/evals/gate.py)
   judge      the helpfulness judge checkpoint; empty: a frozen copy of the model as this
              invocation started (one judge for every step, never the model judging itself)
@@ -27,7 +28,7 @@ import shutil
 
 import jax
 
-from align.evals import gate, suites
+from align.evals import gate, judges, suites
 from align.evals.helpful import judge_for
 from train import decontam
 from train.gate import gate_configured
@@ -130,9 +131,24 @@ class Promoter:
         raise ValueError(f"eval_gate has no baseline: {self.baseline} is missing and the run "
                          f"resumes at step {start_step}; set eval_gate.baseline")
       self._evaluate(model_at_start, 0)
+    else:
+      self._check_judge(gate.load_report(self.baseline))
     # the tolerances must name dimensions or metrics of the baseline
-    report = gate.load_report(self.baseline)
-    gate.compare(report, report, gate.parse_max_drop(cfg.max_drop))
+    gate.check_tolerances(gate.load_report(self.baseline), gate.parse_max_drop(cfg.max_drop))
+
+  def _check_judge(self, baseline: dict) -> None:
+    """Refuses, before training, a baseline whose win rates another judge scored: every
+    gated step would be refused (align/evals/judges.py)."""
+    if self.judge is None:
+      return
+    mine = {"judge": judges.judge_record(self.judge, self.judge.name, None),
+            "metrics": baseline["metrics"]}
+    why = judges.reason(baseline, mine)
+    if why:
+      raise ValueError(f"eval_gate: {why}: the baseline {self.baseline} was judged by "
+                       f"{judges.describe(baseline)}, this run's judge is "
+                       f"{judges.describe(mine)}; set eval_gate.judge to the baseline's judge, "
+                       "or make the baseline with this run's judge")
 
   def due(self, step: int, last: int) -> bool:
     return bool(self.cfg.every) and (step % self.cfg.every == 0 or step == last)
@@ -148,8 +164,12 @@ class Promoter:
   def check(self, step: int, model) -> dict:
     """Evaluates `model` (the step's), gates it, and promotes it if it passed."""
     report, path = self._evaluate(model, step)
-    result = gate.compare(gate.load_report(self.baseline), report,
-                          gate.parse_max_drop(self.cfg.max_drop))
+    try:
+      result = gate.compare(gate.load_report(self.baseline), report,
+                            gate.parse_max_drop(self.cfg.max_drop))
+    except gate.JudgeRefused as e:  # e.g. the step's weights equal the judge's: not promoted
+      result = {"passed": False, "checks": [],
+                "failures": [{"metric": "judge", "status": "failed", "why": str(e)}]}
     result.update(step=step, report=path, baseline=self.baseline)
     gate.write_json(os.path.join(os.path.dirname(path), "gate.json"), result)
     if result["passed"]:

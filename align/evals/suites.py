@@ -14,14 +14,15 @@ import hashlib
 import json
 import os
 
-from align.evals import harmless, helpful, honest, html, redteam_suite
+from align.evals import harmless, helpful, honest, html, judges, redteam_suite
 from align.evals.runner import ChatModel, output_counts
 from align.evals.stats import oriented
 from train.workdir import MERGED, is_workdir
 
 SUITES = {"hhh": ("helpful", "harmless", "honest"), "helpful": ("helpful",),
           "harmless": ("harmless",), "honest": ("honest",), "redteam": ("redteam",)}
-SCHEMA = 1
+# 2: the judge is named by its weights (report["judge"], align/evals/judges.py)
+SCHEMA = 2
 # The protected evaluation sets (data/protected_evals.json) each dimension reads: training
 # data is checked against them (train/decontam.py), so they stay held out.
 DIMENSION_SETS = {"helpful": ("alpaca-eval", "mt-bench", "self-instruct-user"),
@@ -69,12 +70,12 @@ def fingerprint(path: str) -> str:
 
 
 def run_suite(chat, suite: str, *, limit: int | None, seed: int, judge=None) -> dict:
-  """Runs the suite's dimensions on `chat` (runner.ChatModel); returns the report's body."""
+  """Runs the suite's dimensions on `chat` (runner.ChatModel); returns the report's body.
+  Without a `judge` the win rates are left out."""
   parts = []
   for dim in SUITES[suite]:
     if dim == "helpful":
-      parts.append(helpful.evaluate(chat, judge if judge is not None else
-                                    helpful.judge_for(None, chat), limit=limit, seed=seed))
+      parts.append(helpful.evaluate(chat, judge, limit=limit, seed=seed))
     elif dim == "harmless":
       parts.append(harmless.evaluate(chat, limit=limit, seed=seed))
     elif dim == "honest":
@@ -109,9 +110,10 @@ def dimension_scores(metrics: dict) -> dict:
 
 
 def build_report(body: dict, *, suite: str, seed: int, limit: int | None, model: dict,
-                 settings: dict, examples_per_metric: int = 5) -> dict:
+                 settings: dict, judge: dict | None = None,
+                 examples_per_metric: int = 5) -> dict:
   return {"schema": SCHEMA, "suite": suite, "seed": seed, "limit": limit, "model": model,
-          "settings": settings, "metrics": body["metrics"],
+          "settings": settings, "judge": judge, "metrics": body["metrics"],
           "dimensions": dimension_scores(body["metrics"]), "tables": body["tables"],
           "counts": body["counts"], "skipped": body["skipped"],
           "examples": {k: v[:examples_per_metric] for k, v in body["examples"].items()}}
@@ -143,18 +145,32 @@ def write_outputs(out_dir: str, report: dict, examples: dict) -> None:
 def evaluate_model(model, tokenizer, suite: str, out_dir: str | None, *, limit: int | None,
                    seed: int = 0, judge=None, model_info: dict | None = None,
                    max_new_tokens: int = 128, batch_size: int = 8) -> dict:
-  """Runs `suite` on a loaded model; writes the outputs when `out_dir`; returns the report."""
+  """Runs `suite` on a loaded model; writes the outputs when `out_dir`; returns the report.
+
+  `judge` (a PairwiseJudge; its .name, if set, names it in the report) scores the win
+  rates; without one the evaluated model judges its own answers, and the report says so
+  (report["judge"]["self"]: the gate will not compare those win rates)."""
   if suite not in SUITES:
     raise ValueError(f"unknown suite {suite!r}; choose one of {sorted(SUITES)}")
   if limit is not None and limit < 1:
     raise ValueError(f"--limit={limit} must be >= 1")
   chat = ChatModel(model, tokenizer, max_new_tokens=max_new_tokens, batch_size=batch_size)
+  model_info = dict(model_info or {}, weights_sha256=judges.weights_fingerprint(model))
+  record = None
+  if "helpful" in SUITES[suite]:
+    if judge is None:
+      judge = helpful.judge_for(None, chat)  # None: no chat template, no win rates
+      name = model_info.get("name") or "the evaluated model"
+      if judge is not None:
+        record = judges.self_record(name, model_info["weights_sha256"])
+    else:
+      record = judges.judge_record(judge, getattr(judge, "name", None) or "unnamed judge",
+                                   model_info["weights_sha256"])
   body = run_suite(chat, suite, limit=limit, seed=seed, judge=judge)
   settings = {"max_new_tokens": chat.max_new_tokens, "max_prompt_tokens": chat.max_prompt_tokens,
-              "decoding": "greedy", "batch_size": batch_size,
-              "judge": getattr(judge, "name", None) or "the evaluated model"}
-  report = build_report(body, suite=suite, seed=seed, limit=limit, model=model_info or {},
-                        settings=settings)
+              "decoding": "greedy", "batch_size": batch_size}
+  report = build_report(body, suite=suite, seed=seed, limit=limit, model=model_info,
+                        settings=settings, judge=record)
   if out_dir:
     write_outputs(out_dir, report, body["examples"])
   return report
