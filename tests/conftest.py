@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny training config over a slice of Tiny Shakespeare, the environment
-of the processes tests start, and fixtures built once per test run."""
+of the processes tests start, and fixtures built once per test run. Registers the policy for
+missing dependencies (tests/deps.py): they fail tests unless --allow-missing-deps is given."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import tempfile
 import pytest
 from filelock import FileLock
 
+from deps import pytest_addoption, pytest_configure  # noqa: F401  the missing-deps policy
 from experiments.quickstart import get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

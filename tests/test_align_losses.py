@@ -1,8 +1,7 @@
 """Alignment losses (align/preference.py, align/rl.py) against closed forms and TRL.
 
-Expected values are computed here with numpy/math, never by the code under test.
-Tests named *_matches_trl run TRL's own code (trl 1.x) on the same inputs and are
-skipped when trl is not installed.
+Expected values are computed here with numpy/math, never by the code under test; the
+comparisons with TRL's own code run in tests/test_align_trl.py.
 """
 
 import math

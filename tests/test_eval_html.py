@@ -2,11 +2,10 @@
 clipped, nothing loaded from elsewhere, the same bytes on every render; and, in headless
 Chromium, a full-page screenshot of a page with no console errors and one card a dimension.
 
-The screenshot test needs Debian's Chromium and the playwright package; it is skipped when
-either is missing (apt-get install -y chromium && pip install 'playwright>=1.60,<2').
+The screenshot test needs Debian's Chromium and the playwright package; it fails when either
+is missing (apt-get install -y chromium && pip install 'playwright>=1.60,<2'; tests/deps.py).
 """
 
-import importlib.util
 import math
 import os
 import re
@@ -14,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+import deps
 from align.evals import html as report_html
 from align.evals.screenshot import CHROMIUM, launch, png_size, screenshot
 from align.evals.screenshot import main as screenshot_main
@@ -147,14 +147,8 @@ def test_partial_and_malformed_reports():
     screenshot_main(["/nonexistent.html", "/tmp/never.png"])
 
 
-def _chromium_missing() -> str | None:
-  if importlib.util.find_spec("playwright") is None:
-    return "the playwright package is not installed"
-  return None if os.access(CHROMIUM, os.X_OK) else f"no Chromium at {CHROMIUM}"
-
-
-@pytest.mark.skipif(_chromium_missing() is not None, reason=str(_chromium_missing()))
 def test_screenshot_in_chromium(page_html, tmp_path):
+  deps.chromium(CHROMIUM)
   from playwright.sync_api import sync_playwright
   path = tmp_path / "report.html"
   path.write_text(page_html, encoding="utf-8")

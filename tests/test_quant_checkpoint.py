@@ -1,7 +1,6 @@
 """Quantized checkpoints: exact save/reload, generation from the reloaded model, atomic
 writes, clear errors, and `meshlm quantize` -> `meshlm generate` end to end."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -242,8 +241,6 @@ def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir):
     server.stop()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("infer.quant.gptq") is None,
-                    reason="infer/quant/gptq.py not present")
 @pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])
 def test_quantize_calibrated(tmp_path, workdir, method):
   out = str(tmp_path / "q")

@@ -4,7 +4,7 @@ subprocess: labels by clicks and keys, undo, reload persistence, two reviewers a
 
 Needs Debian's Chromium and the playwright Python package (not its downloaded browsers):
   apt-get install -y chromium && pip install 'playwright>=1.60,<2'
-Missing either is a failure, not a skip.
+Missing either fails the browser tests (tests/deps.py).
 """
 
 import http.client
@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 
+import deps
 from align.curate.review_db import ReviewQueue
 from test_review_db import fill, hh_items, snapshot
 
@@ -29,26 +30,20 @@ CHROMIUM = os.environ.get("MESHLM_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
-INSTALL = "apt-get install -y chromium && pip install 'playwright>=1.60,<2'"
 XSS = '\n<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2"> & <b>'
 
 try:
   from playwright.sync_api import expect, sync_playwright
-  _MISSING = None
-except ImportError as e:
-  _MISSING = f"the playwright package is not installed ({e})"
+except ImportError:  # the browser fixture fails (or skips) naming it: tests/deps.py
+  expect = sync_playwright = None
 
 
 @pytest.fixture(scope="module")
 def browser():
-  if _MISSING:
-    pytest.fail(f"{_MISSING}; install with: {INSTALL}", pytrace=False)
-  if not os.access(CHROMIUM, os.X_OK):
-    pytest.fail(f"no Chromium at {CHROMIUM} (set MESHLM_CHROMIUM to another path); install "
-                f"with: {INSTALL}", pytrace=False)
+  executable = deps.chromium(CHROMIUM)
   expect.set_options(timeout=15_000)
   with sync_playwright() as p:
-    b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    b = p.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
     yield b
     b.close()
 

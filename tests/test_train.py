@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import deps
 import parallel
 from conftest import tiny_config
 from train.defaults import model_config_from
@@ -195,8 +196,7 @@ def test_idle_writer_saves_at_idle_priority_and_restores(tmp_path):
   import subprocess
   import sys
   if not hasattr(os, "SCHED_IDLE"):
-    import pytest
-    pytest.skip("SCHED_IDLE is Linux-only")
+    deps.missing("os.SCHED_IDLE", "it is Linux-only, and so is this test")
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run([sys.executable, "-c", IDLE_WRITER_SCRIPT, str(tmp_path)], cwd=repo,
                        capture_output=True, text=True, timeout=300)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import deps
 from benchmarks import w2s_heads as w2s
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,12 +182,8 @@ def test_bad_input_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm():
-  from benchmarks.decode_models import smollm_path
   from models import load_pretrained
-  path = smollm_path()
-  if path is None:
-    pytest.skip("SmolLM2-135M-Instruct GGUF not installed")
-  return load_pretrained(path)
+  return load_pretrained(deps.smollm())
 
 
 def test_decoder_features_match_hidden(smollm):
