@@ -10,19 +10,27 @@
                                       protect an asset of kind "eval" (e.g. a pair run's
                                       held-out prompts_eval): training runs then refuse data
                                       overlapping it (train/decontam.py)
+  meshlm data decontam SRC ROOT [--name N] [--eval_sets S] [--registry FILE]
+                                      write the rows of the JSONL(.gz) training file SRC that
+                                      share no 13-gram with the protected evaluation sets as
+                                      asset ROOT/N/vK (default N: SRC's name + "-decontam");
+                                      its manifest counts the rows dropped ("decontaminated")
 """
 
+import os
 import sys
 
 from absl import flags
 
 from train.asset_inspect import print_diff, print_list, print_show
+from train.decontam import write_decontaminated
 from train.eval_registry import REGISTRY, register_asset
 from cli.parsing import UsageError, parse
 
 # Each action's positional words and the flags that apply to it.
 ACTIONS = {"ls": (("ROOT",), ()), "show": (("PATH",), ("rows",)),
-           "diff": (("PATH_A", "PATH_B"), ()), "register": (("PATH",), ("name", "registry"))}
+           "diff": (("PATH_A", "PATH_B"), ()), "register": (("PATH",), ("name", "registry")),
+           "decontam": (("SRC", "ROOT"), ("name", "eval_sets", "registry"))}
 
 
 def make_flags(argv: list[str]) -> flags.FlagValues:
@@ -31,8 +39,11 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_integer("rows", 5, "show: rows to print", flag_values=fv)
   flags.DEFINE_string("name", None, "register: the name to protect it under (default: the "
                       "asset's)", flag_values=fv)
-  flags.DEFINE_string("registry", None, "register: the registry file (default: "
+  flags.DEFINE_string("registry", None, "register, decontam: the registry file (default: "
                       "data/protected_evals.json)", flag_values=fv)
+  flags.DEFINE_string("eval_sets", "default", "decontam: the evaluation sets to drop overlaps "
+                      "with (registry names, asset dirs, comma-separated; default: all "
+                      "registered)", flag_values=fv)
   return fv
 
 
@@ -48,7 +59,8 @@ def _action(command: str, words: list[str], fv) -> tuple[str, list[str]]:
   if len(args) != len(names):
     raise UsageError(f"meshlm {command} {action}: takes {' '.join(names)}, got {len(args)} "
                      f"argument(s): {args}")
-  misplaced = [f"--{n}" for n in ("rows", "name", "registry") if fv[n].present and n not in own]
+  misplaced = [f"--{n}" for n in ("rows", "name", "registry", "eval_sets")
+               if fv[n].present and n not in own]
   if misplaced:
     raise UsageError(f"meshlm {command} {action}: {', '.join(misplaced)} does not apply to "
                      f"{action}")
@@ -66,9 +78,15 @@ def main(argv: list[str], command: str = "data") -> None:
       print_show(args[0], fv["rows"].value, sys.stdout)
     elif action == "diff":
       print_diff(args[0], args[1], sys.stdout)
-    else:
+    elif action == "register":
       registry = fv["registry"].value or REGISTRY
       entry = register_asset(args[0], name=fv["name"].value, registry=registry)
       print(f"registered {entry['name']!r} ({entry['asset']}) in {registry}")
+    else:
+      src, root = args
+      name = fv["name"].value or os.path.basename(src).split(".")[0] + "-decontam"
+      vdir = write_decontaminated(src, root, name, eval_sets=fv["eval_sets"].value,
+                                  registry=fv["registry"].value or REGISTRY)
+      print_show(vdir, 0, sys.stdout)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"meshlm {command} {action}: {e}") from None

@@ -1,6 +1,7 @@
 """Distil SmolLM2-135M-Instruct into a 17M-parameter student (7.8x smaller, same tokenizer)
-on real instruction text: the chosen transcripts of hh-rlhf helpful-base, 10% of the
-conversation openings held out. `:hard` trains the same student on hard labels alone.
+on real instruction text: the chosen transcripts of hh-rlhf helpful-base (decontaminated:
+hh_tiny.HH), 10% of the conversation openings held out. `:hard` trains the same student on
+hard labels alone.
 
   meshlm distill --config experiments/distill_smollm2.py --workdir runs/distill_kd
   meshlm distill --config experiments/distill_smollm2.py:hard --workdir runs/distill_hard

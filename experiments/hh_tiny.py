@@ -7,9 +7,10 @@ one CPU: SFT on the chosen transcripts, then a reward model, DPO or LoRA on top.
   meshlm dpo --config experiments/hh_tiny.py --workdir runs/hh_tiny_dpo \\
       --config.init_from=runs/hh_tiny_sft [--config.align.lora_rank=8]
 
-Data: data/hh-rlhf/helpful-base-test.jsonl.gz (Anthropic hh-rlhf, MIT), 5% of the
-conversation openings held out. The tokenizer is a byte-level BPE trained on the chosen
-transcripts (a run with init_from takes that workdir's).
+Data: data/hh-rlhf/helpful-base-test.jsonl.gz (Anthropic hh-rlhf, MIT) less its 144 rows
+that share 13-grams with AlpacaEval (the asset helpful-base-test-decontam, data/hh-rlhf/
+PROVENANCE.md), 5% of the conversation openings held out. The tokenizer is a byte-level BPE
+trained on the chosen transcripts (a run with init_from takes that workdir's).
 """
 
 import os
@@ -17,7 +18,8 @@ import os
 from train.defaults import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HH = os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
+# The decontaminated rows: the raw file holds AlpacaEval's helpful_base prompts.
+HH = os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test-decontam", "v1", "data.jsonl")
 
 
 def get_config():

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct aligned on Anthropic hh-rlhf (helpful-base) pairs on one CPU: a
-LoRA reward model and LoRA DPO, short rows, the held-out split by conversation opening.
+LoRA reward model and LoRA DPO, short rows, the held-out split by conversation opening. Data:
+hh_tiny.HH, the helpful-base rows that share no 13-gram with a protected evaluation set.
 
   meshlm rm  --config experiments/smollm2_hh.py:rm --workdir runs/smollm2_rm
   meshlm dpo --config experiments/smollm2_hh.py:dpo --workdir runs/smollm2_dpo

@@ -13,11 +13,14 @@ import pytest
 import deps
 from align import data as D
 from align import datasets as DS
+from train.assets import read_manifest
 from test_align_data import CHATML, byte_tokenizer  # tests/ is on pytest's pythonpath
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
 HH_SLICE = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test-slice.jsonl")
+HH_CLEAN = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test-decontam", "v1")
+HH_DECONTAM = os.path.join(HH_CLEAN, "data.jsonl")
 T = 48
 
 
@@ -244,21 +247,31 @@ def smollm_tok():
   return tokenizer_from_gguf(GGUFReader(path), path)
 
 
-def test_bundled_slice_is_the_head_of_the_full_file():
+def test_bundled_slice_is_the_head_of_the_decontaminated_file():
+  """The slice: the decontaminated asset's first 30 rows (raw lines 1-30; raw line 0 is an
+  AlpacaEval prompt) and 5 bad raw lines, byte for byte; the asset is the raw file less the
+  lines its manifest says it dropped."""
   with gzip.open(HH, "rt", encoding="utf-8") as f:
     full = f.read().splitlines()
   with open(HH_SLICE, encoding="utf-8") as f:
-    head = f.read().splitlines()[:30]
-  assert len(full) == 2354 and full[:30] == head
+    piece = f.read().splitlines()
+  with open(os.path.join(HH_CLEAN, "data.jsonl"), encoding="utf-8") as f:
+    clean = f.read().splitlines()
+  dropped = set(read_manifest(HH_CLEAN)["decontaminated"]["dropped_rows"])
+  assert len(full) == 2354 and clean == [x for i, x in enumerate(full) if i not in dropped]
+  assert piece[:30] == clean[:30] == full[1:31]
+  assert piece[30:] == [full[i] for i in (120, 168, 355, 721, 740)]
 
 
 def test_hh_rlhf_loads_with_smollm2_tokenizer(smollm_tok, tmp_path):
-  cfg = {"path": HH, "val_fraction": 0.05, "max_len": 1024}
+  cfg = {"path": HH_DECONTAM, "val_fraction": 0.05, "max_len": 1024}
   train, rep_t = DS.load_pair_split(cfg, smollm_tok, "train")
   val, rep_v = DS.load_pair_split(cfg, smollm_tok, "validation")
   assert rep_t.kept > 2000 and 50 < rep_v.kept < 200
   rep_t.check()
-  assert rep_t.total + rep_v.total == 2354
+  assert rep_t.total + rep_v.total == 2354 - 144
+  with pytest.raises(ValueError, match="138 of 2237 rows"):  # the raw file: AlpacaEval rows
+    DS.load_pair_split({**cfg, "path": HH}, smollm_tok, "train")
   batch = next(iter(DS.pair_dataset(train, batch_size=4, seq_len=1024, split="train",
                                     seed=0)))
   assert DS.join_pairs(batch)["inputs"].shape == (8, 1024)

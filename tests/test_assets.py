@@ -97,7 +97,9 @@ def test_bad_rows_and_arguments_are_refused_before_anything_is_written(tmp_path)
     with pytest.raises(ValueError, match=message):
       assets.write_asset(root, "x", rows, kind="prompts", lineage={})
   for kwargs, message in ((dict(name="a/b"), "no slashes"), (dict(kind=""), "kind"),
-                          (dict(fmt="csv"), "format"), (dict(lineage={"s": {1, 2}}), "lineage")):
+                          (dict(fmt="csv"), "format"), (dict(lineage={"s": {1, 2}}), "lineage"),
+                          (dict(extra={"rows": 3}), r"extra manifest fields \['rows'\]"),
+                          (dict(extra={"x": {1}}), "extra is not JSON")):
     args = dict(name="x", kind="prompts", lineage={}) | kwargs
     with pytest.raises(ValueError, match=message):
       assets.write_asset(root, args.pop("name"), ROWS, **args)

@@ -21,6 +21,7 @@ from train import data as data_lib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HH = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
 HH_SLICE = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test-slice.jsonl")
+HH_CLEAN = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test-decontam", "v1")
 SHAKESPEARE = os.path.join(REPO, "data", "tinyshakespeare", "input.txt")
 TRUTHFULQA = os.path.join(REPO, "data", "truthfulqa", "TruthfulQA.csv")
 # 20 tokens once normalized.
@@ -174,22 +175,125 @@ def test_enforce_threshold_allow_and_disable(tmp_path, capsys):
                       "eval_sets": "default"}
 
 
-def test_bundled_training_data_does_not_trip_the_check(capsys):
+def test_bundled_training_data_does_not_trip_the_check():
   """tinyshakespeare is clean. hh-rlhf helpful-base test really overlaps AlpacaEval (144 rows:
-  AlpacaEval's helpful_base prompts come from it); the registry acknowledges that, so runs
-  proceed with a warning, while the same rows from any other file are refused."""
+  AlpacaEval's helpful_base prompts come from it): there is no waiver, so training on the raw
+  file is refused, and its decontaminated asset (what the experiments train on) is clean."""
   cfg = base_config().data
   cfg.path, cfg.val_fraction = SHAKESPEARE, 0.0
   assert len(data_lib.load_split(cfg, "train")) == 7222  # checked inside, clean
   assert DC.check_documents(cfg, data_lib.load_split(cfg, "train"), [SHAKESPEARE]).overlaps == []
   with gzip.open(HH, "rt") as f:
     items = [(f"{HH}:{i}", json.loads(line)) for i, line in enumerate(f, 1)]
-  report = DC.check_records({"path": HH}, items)
-  assert len(report.overlaps) == 144 and report.by_set() == {"alpaca-eval": 144}
-  assert "acknowledged" in capsys.readouterr().err
   with pytest.raises(ValueError, match=r"144 of 2354 rows .*'alpaca-eval': 144"):
-    DC.check_records({"path": "copy"}, [(f"copy.jsonl:{i}", r) for i, (_, r) in
-                                        enumerate(items, 1)])
+    DC.check_records({"path": HH}, items)
+  clean = assets.read_asset(HH_CLEAN)
+  report = DC.check_records({"path": HH_CLEAN}, [(f"{HH_CLEAN}:{i}", r) for i, r in
+                                                 enumerate(clean, 1)])
+  assert report.rows == len(clean) == 2354 - 144 and report.overlaps == []
+  with open(HH_SLICE) as f:
+    assert DC.check_rows([json.loads(line) for line in f], DC.build_index()).overlaps == []
+
+
+def test_the_registry_holds_no_waiver_and_refuses_one(tmp_path):
+  with open(DC.REGISTRY) as f:
+    assert set(json.load(f)) == {"about", "schema_version", "eval_sets"}
+  doc = {"eval_sets": [], "acknowledged_overlaps": [
+      {"source": "x.jsonl", "sha256": "0" * 64, "eval_set": "alpaca-eval", "why": "known"}]}
+  reg = tmp_path / "r.json"
+  reg.write_text(json.dumps(doc))
+  with pytest.raises(ValueError, match="waivers are gone.*meshlm data decontam"):
+    DC.load_registry(str(reg))
+
+
+def _sha(path):
+  return assets.sha256_file(path)
+
+
+def test_decontaminated_asset_drops_and_counts_overlaps(tmp_path, capsys):
+  """Planted evaluation texts are dropped from the asset and counted in its manifest, the
+  same rows every run; the evaluation file is not touched; `meshlm data show` prints the
+  count."""
+  reg = _registry(tmp_path, [{"text": "unrelated words only here"}, {"text": EVAL_TEXT}])
+  eval_file, eval_sha = str(tmp_path / "toy.jsonl"), _sha(str(tmp_path / "toy.jsonl"))
+  rows = [{"chosen": f"clean row {i}", "rejected": "no"} for i in range(6)]
+  rows[1]["chosen"] = "Quoting: " + EVAL_TEXT
+  rows[4]["rejected"] = EVAL_TEXT.upper()
+  src = tmp_path / "train.jsonl.gz"
+  with gzip.open(src, "wt") as f:
+    f.write(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+  root = str(tmp_path / "assets")
+  first = DC.write_decontaminated(str(src), root, "train-clean", registry=reg)
+  second = DC.write_decontaminated(str(src), root, "train-clean", registry=reg)
+  m1, m2 = assets.read_manifest(first), assets.read_manifest(second)
+  d = m1["decontaminated"]
+  # Line numbers are 0-based lines of the file: the blank line 1 is no row.
+  assert (d["source_rows"], d["kept"], d["dropped"], d["dropped_rows"]) == (6, 4, 2, [2, 5])
+  assert d["dropped_by_set"] == {"toy": 2} and d["n"] == 13 and "13-gram" in d["method"]
+  assert d["against"] == [{"name": "toy", "path": eval_file, "rows": 2, "sha256": eval_sha}]
+  assert assets.read_asset(first) == [rows[i] for i in (0, 2, 3, 5)]
+  assert m2["decontaminated"] == d and m2["content_sha256"] == m1["content_sha256"]
+  assert m1["lineage"]["source"]["sha256"] == _sha(str(src)) and m1["kind"] == "train"
+  assert _sha(eval_file) == eval_sha and DC.build_index(registry=reg).rows == {"toy": 2}
+  # Training on the asset passes the check; on the source it is refused.
+  assert DC.enforce(assets.read_asset(first), registry=reg).overlaps == []
+  with pytest.raises(ValueError, match="2 of 6 rows"):
+    DC.enforce(rows, registry=reg)
+  from cli.data import main as data_main
+  capsys.readouterr()
+  data_main(["show", first, "--rows", "0"])
+  assert "decontaminated: dropped 2 of 6 source rows {'toy': 2}, kept 4" in \
+      capsys.readouterr().out
+
+
+def test_decontamination_refuses_bad_input_and_bad_manifests(tmp_path):
+  reg = _registry(tmp_path, [{"text": EVAL_TEXT}])
+  root = str(tmp_path / "assets")
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"chosen": "a"}\n{oops\n')
+  with pytest.raises(ValueError, match=r"bad\.jsonl:2: bad JSON"):
+    DC.write_decontaminated(str(bad), root, "x", registry=reg)
+  bad.write_text('["a list"]\n')
+  with pytest.raises(ValueError, match=r"bad\.jsonl:1: a list, not a JSON object"):
+    DC.write_decontaminated(str(bad), root, "x", registry=reg)
+  with pytest.raises(ValueError, match="no such file"):
+    DC.write_decontaminated(str(tmp_path / "none.jsonl"), root, "x", registry=reg)
+  bad.write_text('{"chosen": "a"}\n')
+  with pytest.raises(ValueError, match="selects no evaluation set"):
+    DC.write_decontaminated(str(bad), root, "x", eval_sets="", registry=reg)
+  vdir = DC.write_decontaminated(str(bad), root, "x", registry=reg)
+  mpath = os.path.join(vdir, assets.MANIFEST)
+  with open(mpath) as f:
+    manifest = json.load(f)
+  manifest["decontaminated"]["dropped"] = 3
+  with open(mpath, "w") as f:
+    json.dump(manifest, f)
+  with pytest.raises(ValueError, match="decontaminated counts do not add up"):
+    assets.read_manifest(vdir)
+
+
+def test_committed_hh_asset_is_what_the_command_writes(tmp_path):
+  """data/hh-rlhf/helpful-base-test-decontam/v1 equals a fresh `meshlm data decontam` of the
+  raw file: the same 144 rows dropped (all AlpacaEval), the same content; AlpacaEval's
+  helpful_base subset stays whole in the evaluation set."""
+  from cli.data import main as data_main
+  committed = assets.read_manifest(HH_CLEAN)
+  data_main(["decontam", HH, str(tmp_path)])
+  fresh = assets.read_manifest(str(tmp_path / "helpful-base-test-decontam"))
+  assert fresh["content_sha256"] == committed["content_sha256"]
+  strip = lambda d: {**d, "against": [{k: v for k, v in a.items() if k != "path"}
+                                      for a in d["against"]]}
+  assert strip(fresh["decontaminated"]) == strip(committed["decontaminated"])
+  d = committed["decontaminated"]
+  assert (d["source_rows"], d["dropped"], d["dropped_by_set"]) == (2354, 144,
+                                                                  {"alpaca-eval": 144})
+  assert committed["lineage"]["source"]["sha256"] == _sha(HH)
+  with open(os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")) as f:
+    alpaca = json.load(f)
+  assert len(alpaca) == 805 and sum(r["dataset"] == "helpful_base" for r in alpaca) == 129
+  sha = {a["name"]: a["sha256"] for a in d["against"]}
+  assert sha["alpaca-eval"] == _sha(os.path.join(REPO, "data", "alpaca-eval",
+                                                 "text_davinci_003_model_outputs.json"))
 
 
 def _planted_file(tmp_path):
@@ -199,7 +303,7 @@ def _planted_file(tmp_path):
     questions = [r["Question"] for r in csv.DictReader(f)]
   picked = [(i, q) for i, q in enumerate(questions) if len(DC.normalize(q)) >= 8][:5]
   with open(HH_SLICE) as f:
-    records = [json.loads(line) for line in f][1:30]  # row 0 is an AlpacaEval prompt
+    records = [json.loads(line) for line in f][:29]
   lines = {}
   for slot, (_, q) in zip((2, 7, 12, 17, 22), picked):
     rec = records[slot]

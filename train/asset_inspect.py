@@ -39,6 +39,11 @@ def print_show(path: str, rows: int, out) -> None:
   manifest = assets.read_manifest(vdir)
   data = assets.read_asset(vdir)  # also verifies the content hash
   print(f"# {vdir} (content hash verified)", file=out)
+  d = manifest.get("decontaminated")
+  if d:
+    print(f"# decontaminated: dropped {d['dropped']} of {d['source_rows']} source rows "
+          f"{d.get('dropped_by_set', {})}, kept {d['kept']}; against "
+          f"{', '.join(a.get('name', '?') for a in d['against'])}", file=out)
   print(json.dumps(manifest, indent=2, ensure_ascii=False), file=out)
   shown = data[:max(rows, 0)]
   print(f"# first {len(shown)} of {len(data)} rows", file=out)

@@ -2,7 +2,8 @@
 
 Layout: ROOT/NAME/vK/ holds `data.jsonl` (or `data.parquet`) and `manifest.json`:
   {name, version, kind, schema_version, created, command, format, file, rows,
-   content_sha256, columns {col: type}, lineage}
+   content_sha256, columns {col: type}, lineage}, plus the writer's `extra` fields (e.g.
+  "decontaminated": what train/decontam.py dropped from the source, checked on reading)
 `content_sha256` is the sha256 of the data file's bytes; `read_asset` re-checks it. `lineage`
 is the caller's dict: source files (`file_ref`), input assets (`asset_ref`), teacher checkpoint,
 rubric, thresholds, seeds.
@@ -153,8 +154,10 @@ def _versions(root: str, name: str) -> list[int]:
 
 
 def write_asset(root: str, name: str, rows: Sequence[dict], *, kind: str, lineage: dict,
-                command: str | None = None, fmt: str = "jsonl") -> str:
-  """Atomically writes ROOT/NAME/vK (K = next version, v1 first); returns the version dir."""
+                command: str | None = None, fmt: str = "jsonl", extra: dict | None = None
+                ) -> str:
+  """Atomically writes ROOT/NAME/vK (K = next version, v1 first); returns the version dir.
+  `extra`: more top-level manifest fields (not the standard keys)."""
   if not isinstance(name, str) or not _NAME_RE.match(name):
     raise ValueError(f"asset name {name!r}: use letters, digits and ._+- (no slashes), "
                      "starting with a letter or digit")
@@ -164,10 +167,14 @@ def write_asset(root: str, name: str, rows: Sequence[dict], *, kind: str, lineag
     raise ValueError(f"asset format {fmt!r}; choose one of {sorted(FORMATS)}")
   if not isinstance(lineage, dict):
     raise ValueError(f"lineage must be a dict, got {type(lineage).__name__}")
+  extra = dict(extra or {})
+  clash = sorted(set(extra) & set(_MANIFEST_KEYS))
+  if clash:
+    raise ValueError(f"extra manifest fields {clash} would replace standard ones")
   try:
-    json.dumps(lineage, allow_nan=False)
+    json.dumps([lineage, extra], allow_nan=False)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"lineage is not JSON-serializable: {e}") from None
+    raise ValueError(f"lineage or extra is not JSON-serializable: {e}") from None
   rows = list(rows) if not isinstance(rows, (str, bytes, dict)) else rows
   lines = _encode_rows(rows)
   fname = FORMATS[fmt]
@@ -194,7 +201,7 @@ def write_asset(root: str, name: str, rows: Sequence[dict], *, kind: str, lineag
                 "command": command if command is not None else command_line(),
                 "format": fmt, "file": fname, "rows": len(lines),
                 "content_sha256": sha256_file(data_path), "columns": _columns(rows),
-                "lineage": lineage}
+                "lineage": lineage, **extra}
     # Claim the next free vK by renaming; a racing writer that took vK first makes it fail.
     for _ in range(1000):
       version = (_versions(root, name) or [0])[-1] + 1
@@ -264,7 +271,27 @@ def read_manifest(path: str) -> dict:
       manifest["schema_version"] > SCHEMA_VERSION:
     raise ValueError(f"{mpath}: schema_version {manifest['schema_version']!r} is not an "
                      f"integer up to this code's {SCHEMA_VERSION}")
+  if "decontaminated" in manifest:
+    _check_decontaminated(manifest, mpath)
   return manifest
+
+
+def _check_decontaminated(manifest: dict, where: str) -> None:
+  """A "decontaminated" record must add up: kept == rows, kept + dropped == source_rows and
+  one source row index per dropped row."""
+  d = manifest["decontaminated"]
+  counts = ("source_rows", "kept", "dropped")
+  if not isinstance(d, dict) or not all(isinstance(d.get(k), int) and d[k] >= 0
+                                        for k in counts):
+    raise ValueError(f"{where}: decontaminated needs non-negative integers {counts}")
+  if not isinstance(d.get("against"), list) or not d["against"]:
+    raise ValueError(f"{where}: decontaminated.against must name the evaluation sets checked")
+  dropped_rows = d.get("dropped_rows")
+  if (d["kept"] != manifest["rows"] or d["kept"] + d["dropped"] != d["source_rows"] or
+      not isinstance(dropped_rows, list) or len(dropped_rows) != d["dropped"]):
+    raise ValueError(f"{where}: decontaminated counts do not add up: rows {manifest['rows']}, "
+                     f"kept {d['kept']}, dropped {d['dropped']} of {d['source_rows']} "
+                     f"source rows, {len(dropped_rows or [])} dropped row indices")
 
 
 def read_asset(path: str) -> list[dict]:

@@ -19,8 +19,10 @@ Evaluation sets are registered in data/protected_evals.json (train/eval_registry
 The training-run hook (`check_records` for align/datasets.py, `check_documents` for
 train/data.py; config data.decontam, DEFAULTS when absent) refuses a training split when
 more than data.decontam.max_overlap_rows (a fraction; 0: any row) of its rows overlap,
-naming the first 10; data.decontam.allow=True trains anyway with a warning. Overlaps the
-registry acknowledges for a training file (by its sha256) only warn.
+naming the first 10; data.decontam.allow=True trains anyway with a warning. There are no
+waivers: a training file that overlaps is fixed at its root by `write_decontaminated`
+(`meshlm data decontam`), which writes its clean rows as a data asset whose manifest counts
+what was dropped; the evaluation sets stay whole.
 
 The index holds Python hashes of token tuples in dicts: fast, per process (the hash is
 salted per process), so it is cached per process and never stored.
@@ -34,11 +36,12 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from train import assets
-from train.eval_registry import (REGISTRY, strings, abspath, acknowledged, load_registry,
+from train.eval_registry import (REGISTRY, strings, abspath, jsonl_lines, load_registry,
                                  read_rows, register_asset, row_texts)
 
 __all__ = ["normalize", "build_index", "check_rows", "enforce", "check_records",
-           "check_documents", "load_registry", "register_asset", "REGISTRY", "DEFAULTS"]
+           "check_documents", "write_decontaminated", "load_registry", "register_asset",
+           "REGISTRY", "DEFAULTS"]
 DEFAULTS = {"n": 13, "min_tokens": 8, "max_overlap_rows": 0.0, "allow": False,
             "eval_sets": "default"}
 _PUNCT = re.compile(r"[^\w\s]")
@@ -250,27 +253,14 @@ def _cfg(decontam) -> dict:
   return cfg
 
 
-_SHA: dict = {}  # (abs path, mtime_ns, size) -> sha256
-
-
-def _file_sha(path: str) -> str:
-  st = os.stat(path)
-  key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
-  if key not in _SHA:
-    _SHA[key] = assets.sha256_file(path)
-  return _SHA[key]
-
-
-def enforce(texts: Sequence, decontam: Mapping[str, Any] | None = None, *,
-            labels=None, sources=None,
+def enforce(texts: Sequence, decontam: Mapping[str, Any] | None = None, *, labels=None,
             what: str = "training data", registry: str = REGISTRY) -> Report | None:
   """The training-run check. Raises ValueError when the fraction of rows of `texts` that
   overlap a protected evaluation set exceeds data.decontam.max_overlap_rows (0: any row),
   unless data.decontam.allow, which prints a warning with the count instead.
 
   `decontam`: config data.decontam (DEFAULTS for missing keys; None: all defaults).
-  `labels` name the rows in messages (e.g. "file.jsonl:12"); `sources` are the rows' files,
-  for the registry's acknowledged overlaps (either may be a function returning the list,
+  `labels` name the rows in messages (e.g. "file.jsonl:12"; or a function returning them,
   called only on overlap). Returns the report (None: eval_sets empty)."""
   cfg = _cfg(decontam)
   index = build_index(cfg["eval_sets"], n=int(cfg["n"]), min_tokens=int(cfg["min_tokens"]),
@@ -278,36 +268,21 @@ def enforce(texts: Sequence, decontam: Mapping[str, Any] | None = None, *,
   if not index.sets:
     return None
   report = _checked(texts, index)
-  if not report.overlaps:
+  limit = float(cfg["max_overlap_rows"])
+  if not report.overlaps or report.fraction <= limit:
     return report
-  acks = acknowledged(registry)
-  if callable(sources):
-    sources = sources()
   if callable(labels):
     labels = labels()
-  known, blocking = [], []
-  for o in report.overlaps:
-    src = sources[o.row] if sources is not None else None
-    ack = acks.get(_file_sha(src), {}) if src and os.path.isfile(src) else {}
-    (known if set(o.eval_sets) <= set(ack) else blocking).append((o, ack))
-  if known:
-    whys = sorted({ack[s] for o, ack in known for s in o.eval_sets})
-    print(f"WARNING: {what}: {len(known)} of {report.rows} rows overlap protected evaluation "
-          f"sets, acknowledged in {registry} (those sets are not clean for this model): "
-          + "; ".join(whys), file=sys.stderr, flush=True)
-  blocked = Report(report.rows, [o for o, _ in blocking], report.sets)
-  limit = float(cfg["max_overlap_rows"])
-  if blocked.fraction <= limit:
-    return report
-  head = (f"{what}: {len(blocked.overlaps)} of {report.rows} rows share {index.n}-grams with "
-          f"protected evaluation sets {blocked.by_set()} (checked: {', '.join(index.sets)}; "
+  head = (f"{what}: {len(report.overlaps)} of {report.rows} rows share {index.n}-grams with "
+          f"protected evaluation sets {report.by_set()} (checked: {', '.join(index.sets)}; "
           f"allowed fraction data.decontam.max_overlap_rows={limit})")
   if cfg["allow"]:
     print(f"WARNING: {head}; training on them anyway (data.decontam.allow=True)\n"
-          f"{blocked.describe(labels)}", file=sys.stderr, flush=True)
+          f"{report.describe(labels)}", file=sys.stderr, flush=True)
     return report
-  raise ValueError(f"{head}:\n{blocked.describe(labels)}\nRemove these rows, or override with "
-                   "--config.data.decontam.allow=True")
+  raise ValueError(f"{head}:\n{report.describe(labels)}\nDrop these rows (`meshlm data "
+                   "decontam FILE ROOT` writes the file's clean rows as a data asset), or "
+                   "override with --config.data.decontam.allow=True")
 
 
 def check_records(data_cfg: Mapping[str, Any], items: Sequence[tuple]) -> Report | None:
@@ -315,7 +290,6 @@ def check_records(data_cfg: Mapping[str, Any], items: Sequence[tuple]) -> Report
   every string in a record is checked (chosen and rejected transcripts, messages, prompt)."""
   return enforce([record for _, record in items], data_cfg.get("decontam"),
                  labels=[where for where, _ in items],
-                 sources=[where.rsplit(":", 1)[0] for where, _ in items],
                  what=f"training data {data_cfg.get('path')!r}")
 
 
@@ -323,18 +297,69 @@ def check_documents(data_cfg: Mapping[str, Any], docs: Sequence[str], files: Seq
                     read=None) -> Report | None:
   """train/data.py's hook: `docs` of a training split read from `files`; `read(file)` gives
   one file's documents, used (only when a document overlaps) to name its file and position."""
-  where: dict[str, tuple] = {}
-
-  def locate():
-    if not where:
-      for f in files:
-        for j, d in enumerate(read(f) if read is not None else ()):
-          where.setdefault(d, (f, j))
-    return [where.get(d, (None, i)) for i, d in enumerate(docs)]
-
   def labels():
-    return [f"{f} document {j}" if f else f"document {j}" for f, j in locate()]
+    where: dict[str, tuple] = {}
+    for f in files:
+      for j, d in enumerate(read(f) if read is not None else ()):
+        where.setdefault(d, (f, j))
+    located = [where.get(d, (None, i)) for i, d in enumerate(docs)]
+    return [f"{f} document {j}" if f else f"document {j}" for f, j in located]
 
   return enforce(docs, data_cfg.get("decontam"), labels=labels,
-                 sources=lambda: [f for f, _ in locate()],
                  what=f"training data {data_cfg.get('path')!r}")
+
+
+# --- Dropping overlapping rows at the root: a clean data asset ---
+
+
+def _read_source(path: str) -> tuple[list[int], list[dict]]:
+  """(0-based line numbers, rows) of the non-blank lines of a .jsonl(.gz) file of objects."""
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such file")
+  lines, rows = [], []
+  for i, row in jsonl_lines(path):
+    if not isinstance(row, dict):
+      raise ValueError(f"{path}:{i + 1}: a {type(row).__name__}, not a JSON object")
+    lines.append(i)
+    rows.append(row)
+  return lines, rows
+
+
+def _set_ref(entry: dict, rows: int) -> dict:
+  """Which version of an evaluation set was checked: its rows and file (or content) hash."""
+  if "asset" in entry:
+    m = assets.read_manifest(abspath(entry["asset"]))
+    return {"name": entry["name"], "asset": entry["asset"], "rows": rows,
+            "content_sha256": m["content_sha256"]}
+  return {"name": entry["name"], "path": entry["path"], "rows": rows,
+          "sha256": assets.sha256_file(abspath(entry["path"]))}
+
+
+def write_decontaminated(source: str, root: str, name: str, *, eval_sets="default",
+                         n: int = 13, min_tokens: int = 8, registry: str = REGISTRY,
+                         kind: str = "train") -> str:
+  """Writes ROOT/NAME/vK (train/assets.py): the rows of the JSONL(.gz) file `source`, in
+  order, less those sharing an n-gram with the selected evaluation sets (which are only
+  read). The manifest's "decontaminated" field names the sets (with their hashes), the
+  method, and counts the rows dropped, per set and by 0-based source line
+  (`dropped_rows`). The same source and sets always drop the same rows. Returns the
+  version dir."""
+  lines, rows = _read_source(source)
+  index = build_index(eval_sets, n=n, min_tokens=min_tokens, registry=registry)
+  if not index.sets:
+    raise ValueError(f"eval_sets={eval_sets!r} selects no evaluation set to decontaminate "
+                     "against")
+  report = check_rows(rows, index)
+  bad = {o.row for o in report.overlaps}
+  entries = _select(eval_sets, registry)
+  record = {
+      "against": [_set_ref(e, index.rows[e["name"]]) for e in entries],
+      "method": (f"{n}-gram overlap after GPT-3 normalisation (lowercase, punctuation "
+                 f"deleted, split on whitespace); evaluation texts under {min_tokens} tokens "
+                 f"not indexed, those under {n} matched whole (train/decontam.py)"),
+      "n": n, "min_tokens": min_tokens, "source_rows": len(rows),
+      "kept": len(rows) - len(bad), "dropped": len(bad), "dropped_by_set": report.by_set(),
+      "dropped_rows": [lines[o.row] for o in report.overlaps]}
+  return assets.write_asset(root, name, [r for i, r in enumerate(rows) if i not in bad],
+                            kind=kind, lineage={"source": assets.file_ref(source)},
+                            extra={"decontaminated": record})

@@ -7,8 +7,9 @@ for strings) and `licence`; or `name` + `asset` (a data-asset directory of kind 
 train/assets.py, e.g. a pair builder's held-out prompts; `fields` optional: all string
 leaves). Eval row numbers are 0-based (csv: data rows).
 
-"acknowledged_overlaps": training files (by sha256) known to contain rows of an evaluation
-set; train/decontam.py warns about those overlaps on every run instead of refusing it.
+There are no waivers: a registry with "acknowledged_overlaps" (an old way to let a training
+file keep evaluation rows) is refused; such a file is decontaminated instead (`meshlm data
+decontam`, train/decontam.py), dropping the overlapping training rows.
 """
 
 import csv
@@ -48,6 +49,10 @@ def load_registry(path: str = REGISTRY) -> list[dict]:
   entries = registry.get("eval_sets") if isinstance(registry, dict) else None
   if not isinstance(entries, list):
     raise ValueError(f"{path}: expected {{\"eval_sets\": [...]}}")
+  if "acknowledged_overlaps" in registry:
+    raise ValueError(f"{path}: \"acknowledged_overlaps\" waives overlaps between training "
+                     "files and evaluation sets, and waivers are gone: drop the overlapping "
+                     "training rows instead (meshlm data decontam FILE ROOT) and remove it")
   names = set()
   for i, e in enumerate(entries):
     _check_entry(e, f"{path}: eval_sets[{i}]")
@@ -121,15 +126,22 @@ def read_rows(entry: dict) -> list:
     if not isinstance(rows, list):
       raise ValueError(f"{path}: format json needs a top-level list of rows")
     return rows
-  opener = gzip.open if fmt == "jsonl.gz" else open
-  rows = []
+  return [row for _, row in jsonl_lines(path, gz=fmt == "jsonl.gz")]
+
+
+def jsonl_lines(path: str, gz: bool | None = None) -> list[tuple[int, object]]:
+  """(0-based line number, value) of each non-blank line of a JSONL file (gzipped when `gz`;
+  None: when the name ends in .gz); bad JSON raises ValueError naming the file and (1-based)
+  line."""
+  opener = gzip.open if (path.endswith(".gz") if gz is None else gz) else open
+  out = []
   with opener(path, "rt", encoding="utf-8") as f:
-    for i, line in enumerate(f, 1):
+    for i, line in enumerate(f):
       try:
-        rows.extend([json.loads(line)] if line.strip() else [])
+        out.extend([(i, json.loads(line))] if line.strip() else [])
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{i}: bad JSON ({e.msg})") from None
-  return rows
+        raise ValueError(f"{path}:{i + 1}: bad JSON ({e.msg})") from None
+  return out
 
 
 def row_texts(entry: dict, row) -> list[str]:
@@ -143,23 +155,3 @@ def row_texts(entry: dict, row) -> list[str]:
   if missing:
     raise ValueError(f"eval set {entry['name']!r}: a row has no field(s) {missing}")
   return [s for f in fields for s in strings(row[f])]
-
-
-def acknowledged(registry: str = REGISTRY) -> dict[str, dict[str, str]]:
-  """{sha256 of a training file: {eval set: why}} from the registry's
-  "acknowledged_overlaps": files known to contain rows of an evaluation set (e.g. AlpacaEval
-  drew its helpful_base prompts from hh-rlhf helpful-base test). Their overlaps with that
-  set are printed as a warning on every run instead of refusing it; the evaluation set is
-  then not clean for models trained on that file."""
-  if not registry:
-    return {}
-  with open(registry, encoding="utf-8") as f:
-    doc = json.load(f)
-  out: dict[str, dict[str, str]] = {}
-  for i, a in enumerate(doc.get("acknowledged_overlaps", [])):
-    if not isinstance(a, dict) or not all(isinstance(a.get(k), str) for k in
-                                          ("source", "sha256", "eval_set", "why")):
-      raise ValueError(f"{registry}: acknowledged_overlaps[{i}] needs strings source, sha256, "
-                       "eval_set and why")
-    out.setdefault(a["sha256"], {})[a["eval_set"]] = f"{a['source']}: {a['why']}"
-  return out
