@@ -263,7 +263,8 @@ def test_quantize_calibrated(tmp_path, workdir, method):
 
 def test_quantize_with_scale_tuning(tmp_path, workdir):
   """--tune_epochs trains the scales after round-to-nearest (zero-point INT4 here) and
-  records the run; without --calib it is refused before the model loads."""
+  records the run; without --calib it is refused before the model loads. The default
+  --embeddings auto keeps the embedding and LM head at INT8 under the INT4 format."""
   with pytest.raises(SystemExit, match="--tune_epochs=2 needs calibration text"):
     main(["quantize", "--model", workdir, "--format", "int4-g32-zp", "--method", "rtn",
           "--tune_epochs", "2", "--out", str(tmp_path / "none")])
@@ -276,7 +277,11 @@ def test_quantize_with_scale_tuning(tmp_path, workdir):
   tune = info["calibration"]["tune"]
   assert (tune["epochs"], tune["batch"]) == (2, 4) and tune["kl_last"] < tune["kl_first"]
   model, tokenizer = load_quantized(out)
-  assert {q.fmt.name for q in quantized_params(model).values()} == {"int4-g32-zp"}
+  formats = {path: q.fmt.name for path, q in quantized_params(model).items()}
+  embeddings = {p: f for p, f in formats.items() if p.endswith(("embed_VD", "unembed_DV"))}
+  assert embeddings and set(embeddings.values()) == {"int8"}, formats
+  assert {f for p, f in formats.items() if p not in embeddings} == {"int4-g32-zp"}, formats
+  assert info["embeddings"] == "auto"
   assert len(_greedy(model, tokenizer, n=4)) == 4
 
 

@@ -23,7 +23,7 @@ from infer.quant.tune import tune_scales
 from train.report_paths import portable_path
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
-EMBEDDINGS = {"same": "same", "int8": "int8", "none": None}
+EMBEDDINGS = {"auto": "auto", "same": "same", "int8": "int8", "none": None}
 
 
 def _record_text(record) -> str | None:
@@ -96,7 +96,7 @@ def _summary(plan: dict, before: int, after: int) -> str:
 
 def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str = "gptq",
                         calib: str | None = None, calib_samples: int = 64, calib_len: int = 256,
-                        embeddings: str = "same", fit_groups: bool = False,
+                        embeddings: str = "auto", fit_groups: bool = False,
                         act_order: bool = True, clip_search: bool = True, tune_epochs: int = 0,
                         tune_lr: float = 2e-3) -> str:
   """Quantizes the model at `model_path` into the new directory `out`; returns a one-line
