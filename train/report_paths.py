@@ -6,9 +6,9 @@ writer's home directory or virtualenv says nothing useful and leaks the writer's
 `portable_path` writes instead:
 
   a relative path               as given (the name the user passed)
-  under an installed package    <site-packages>/pkg/...
-  under the current directory   relative to it
-  under the temp directory      <tmp>/...
+  in site- or dist-packages     <packages>/pkg/...
+  under the current directory   relative to it      (of these three, the innermost
+  under the temp directory      <tmp>/...            directory that holds the path)
   under the home directory      ~/...
   anywhere else                 <abs>/parent/name (the last two parts)
 """
@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 
-SITE_PACKAGES = "<site-packages>"
+PACKAGES = "<packages>"
 TMP = "<tmp>"
 ELSEWHERE = "<abs>"
 # Characters that end a path inside a longer string (a Prometheus label, a message).
@@ -53,7 +53,7 @@ def portable_path(path) -> str:
   # the innermost package directory: a venv may itself live under the current directory
   hits = [i for i, p in enumerate(parts) if p in _PACKAGE_DIRS]
   if hits:
-    return "/".join([SITE_PACKAGES, *parts[hits[-1] + 1:]])
+    return "/".join([PACKAGES, *parts[hits[-1] + 1:]])
   for root, name in _roots():
     rel = _under(path, root)
     if rel is not None:
