@@ -60,7 +60,8 @@ def main(argv: list[str], command: str = "eval") -> int:
     if fv["judge"].value:
       judge = judge_for(fv["judge"].value, None, batch_size=batch_size)
       judge.name = os.path.basename(os.path.normpath(fv["judge"].value))
-    info = {"path": portable_path(model_path), "name": os.path.basename(os.path.normpath(model_path)),
+    info = {"path": portable_path(model_path),
+            "name": os.path.basename(os.path.normpath(model_path)),
             "fingerprint": fingerprint(model_path)}
     report = evaluate_model(model, tokenizer, fv["suite"].value, out, limit=fv["limit"].value,
                             seed=fv["seed"].value, judge=judge, model_info=info,
