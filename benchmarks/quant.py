@@ -137,10 +137,7 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
   if fmt is None:
     return model, tokenizer, {}, 0.0
   start = time.perf_counter()
-  # "auto": INT4 rows keep the embedding/LM head at INT8; at INT4 it costs more perplexity
-  # than all the projections together (--embeddings same; docs/results.md).
-  if embeddings == "auto":
-    embeddings = "int8" if fmt.startswith("int4") else "same"
+  # "auto" (meshlm quantize's default too): INT4 rows keep the embedding/LM head at INT8
   rules = default_rules(fmt, embeddings=embeddings)
   options = gptq_options or dict(act_order=True, clip_search=True)
   method, tune = method.removesuffix("+tune"), method.endswith("+tune")

@@ -33,6 +33,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import cpu_count, log  # noqa: E402
+from train.report_paths import scrub_paths  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALPACA = os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")
@@ -395,6 +396,7 @@ def main():
     if proc is not None:
       stop_server(proc)
   result["server_log"] = log_path if proc is not None else None
+  result = scrub_paths(result)  # the model path, the log, the /metrics labels
   print(json.dumps(result, indent=None if args.json else 2))
   warm = result["warmup"]
   sys.exit(1 if result["failed"] + result["lost"] + warm["sent"] - warm["completed"] else 0)

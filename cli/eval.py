@@ -14,6 +14,8 @@ rates. For reports you will gate, pass one fixed --judge to all of them.
 DIR receives report.json (every metric: value, n, bootstrap 95% CI), report.html (one
 self-contained page with plots) and responses.jsonl (every answer, for audit); the same
 model, suite, limit and seed give a byte-identical report.json (align/evals/suites.py).
+The report names the model by a path that holds on any machine: relative to the current
+directory, or `<packages>/PKG/...`, `~/...`, `<tmp>/...` (train/report_paths.py).
 Exit status 2 on unusable input.
 """
 
@@ -25,6 +27,7 @@ from align.evals.helpful import judge_for
 from align.evals.suites import SUITES, evaluate_model, fingerprint
 from cli.parsing import parse, print_error, require
 from infer.loading import load_any
+from train.report_paths import portable_path
 
 EXIT_BAD_INPUT = 2
 
@@ -62,7 +65,8 @@ def main(argv: list[str], command: str = "eval") -> int:
     if fv["judge"].value and "helpful" in SUITES[suite]:  # only the win rates are judged
       judge = judge_for(fv["judge"].value, None, batch_size=batch_size)
       judge.name = os.path.basename(os.path.normpath(fv["judge"].value))
-    info = {"path": model_path, "name": os.path.basename(os.path.normpath(model_path)),
+    info = {"path": portable_path(model_path),
+            "name": os.path.basename(os.path.normpath(model_path)),
             "fingerprint": fingerprint(model_path)}
     report = evaluate_model(model, tokenizer, suite, out, limit=fv["limit"].value,
                             seed=fv["seed"].value, judge=judge, model_info=info,

@@ -1,13 +1,16 @@
 """`meshlm quantize`: a model in, a quantized checkpoint directory out.
 
   meshlm quantize --model PATH --format int4-g128 [--method gptq|awq|awq-gptq|rtn] [--calib DATA]
-                  [--calib_samples 64] [--calib_len 256] [--embeddings same|int8|none]
+                  [--calib_samples 64] [--calib_len 256] [--embeddings auto|same|int8|none]
                   [--fit_groups] [--tune_epochs N [--tune_lr 2e-3]] --out DIR
 
 --model takes what `meshlm generate` takes (workdir, HF directory, .gguf).
 --calib (every method but rtn, and tuning) is a .txt file, or .json/.jsonl records whose
 "instruction" + "output" (else "text") strings are used. --tune_epochs then trains the
 group scales toward the float model on it (infer/quant/tune.py).
+--embeddings auto (the default) keeps the embedding and LM head at INT8 under an INT4
+format, as benchmarks/quant.py does: SmolLM2's tied embedding at INT4 takes INT4-g128 RTN
+to +58.9% perplexity (docs/results.md, "Quantization"); `same` quantizes it like the rest.
 """
 
 from absl import flags
@@ -29,8 +32,9 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_string("calib", None, "calibration text: .txt, .json or .jsonl", flag_values=fv)
   flags.DEFINE_integer("calib_samples", 64, "calibration sequences", flag_values=fv)
   flags.DEFINE_integer("calib_len", 256, "tokens per calibration sequence", flag_values=fv)
-  flags.DEFINE_enum("embeddings", "same", list(EMBEDDINGS),
-                    "embeddings and LM head: like the rest, int8, or kept float", flag_values=fv)
+  flags.DEFINE_enum("embeddings", "auto", list(EMBEDDINGS),
+                    "embeddings and LM head: auto (int8 under INT4 formats, else like the rest), "
+                    "like the rest (same), int8, or kept float (none)", flag_values=fv)
   flags.DEFINE_bool("fit_groups", False, "halve a group that does not divide a layer's input "
                     "size until it does (default: refuse, naming the layer)", flag_values=fv)
   flags.DEFINE_string("out", None, "output directory (must not exist, or be empty)",

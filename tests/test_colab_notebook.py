@@ -5,11 +5,15 @@ that raises fails the test (and CI).
 
 The parameters are overridden the way papermill does it: a cell inserted after the one
 tagged "parameters". meshlm is already installed here, so the notebook's install cell skips
-installing (it never touches the network in CI).
+installing (it never touches the network in CI). Where it would install from (the checkout
+the notebook sits in, else a clone of MESHLM_REPO) is checked by running that cell with pip,
+git and the import lookup stubbed.
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +95,60 @@ def test_notebook_runs_end_to_end_on_cpu(tmp_path):
     win_rates = {"helpful/alpaca_eval_win_rate", "helpful/mt_bench_win_rate"}
     assert win_rates <= set(report["metrics"]), sorted(report["metrics"])
     assert (workdir / out / "report.html").stat().st_size > 0
+
+
+FIND_SPEC = importlib.util.find_spec  # the real one: a second stub must not wrap the first
+
+
+def run_install_cell(monkeypatch, cwd, repo_url, clone_dir):
+  """The notebook's install cell run in `cwd` as if meshlm were not installed, with every
+  subprocess (git, pip) recorded instead of run: returns the commands."""
+  cells = [c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
+           if c.cell_type == "code" and "def meshlm_checkout" in c.source]
+  assert len(cells) == 1
+  calls, installed = [], []
+
+  def stub_find_spec(name, *args):
+    missing = name in ("cli.main", "experiments.quickstart") and not installed
+    return None if missing else FIND_SPEC(name, *args)
+
+  def stub_run(cmd, **kwargs):
+    calls.append([str(a) for a in cmd])
+    installed.extend(["-e"] if "-e" in cmd else [])
+    return subprocess.CompletedProcess(cmd, 0)
+
+  monkeypatch.setattr(importlib.util, "find_spec", stub_find_spec)
+  monkeypatch.setattr(subprocess, "run", stub_run)
+  monkeypatch.setattr(sys, "path", list(sys.path))  # the cell puts the source first
+  monkeypatch.chdir(cwd)
+  exec(cells[0], {"MESHLM_REPO": repo_url, "MESHLM_DIR": str(clone_dir), "JUDGE": ""})
+  return calls
+
+
+def editable_source(calls):
+  return [c[c.index("-e") + 1] for c in calls if "-e" in c]
+
+
+def test_install_cell_installs_the_checkout_it_sits_in(monkeypatch, tmp_path):
+  placeholder = "https://github.com/<org>/meshlm.git"
+  calls = run_install_cell(monkeypatch, os.path.join(REPO, "experiments"), placeholder,
+                           tmp_path / "clone")
+  assert editable_source(calls) == [REPO] and not any("git" in c for c in calls), calls
+
+  fork = tmp_path / "fork"
+  (fork / "experiments").mkdir(parents=True)
+  (fork / "pyproject.toml").write_text('[project]\nname = "meshlm"\n')
+  calls = run_install_cell(monkeypatch, fork / "experiments", placeholder, tmp_path / "clone")
+  assert editable_source(calls) == [str(fork)], calls
+
+
+def test_install_cell_clones_outside_a_checkout(monkeypatch, tmp_path):
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "pyproject.toml").write_text('[project]\nname = "not-meshlm"\n')
+  with pytest.raises(RuntimeError, match="set MESHLM_REPO"):
+    run_install_cell(monkeypatch, other, "https://github.com/<org>/meshlm.git", tmp_path / "c")
+  url, clone = "https://example.org/fork/meshlm.git", tmp_path / "clone"
+  calls = run_install_cell(monkeypatch, other, url, clone)
+  assert calls[0] == ["git", "clone", "--depth", "1", url, str(clone)], calls
+  assert editable_source(calls) == [str(clone)], calls

@@ -99,6 +99,18 @@ def test_quantized_matmul_equals_dequantize_then_matmul(name):
                              jnp.einsum("BTD,VD->BTV", x_BTD, q.dequantize()), rtol=1e-5, atol=1e-5)
 
 
+def test_auto_embeddings_stay_int8_under_int4():
+  """`auto` (meshlm quantize's default): the embedding/LM head at INT8 under INT4 formats,
+  like the projections otherwise; `same` puts it in the projections' format."""
+  model = Transformer(CFG, nnx.Rngs(0))
+  names = lambda rules: {p: f.name for p, f in quant_plan(model, rules).items()}  # noqa: E731
+  for fmt, emb in [("int4-g32", "int8"), ("int4-g32-zp", "int8"), ("int8", "int8"),
+                   ("int8-asym", "int8-asym")]:
+    auto = names(default_rules(fmt, "auto"))
+    assert auto.pop("embed_VD") == emb and set(auto.values()) == {fmt}, (fmt, auto)
+  assert set(names(default_rules("int4-g32", "same")).values()) == {"int4-g32"}
+
+
 def test_quantized_model_matches_its_dequantized_weights():
   tokens = jnp.arange(24).reshape(2, 12) % CFG.vocab_size
   model = Transformer(CFG, nnx.Rngs(0))

@@ -32,6 +32,7 @@ from align.evals import gate, judges, suites
 from align.evals.helpful import judge_for
 from train import decontam
 from train.gate import gate_configured
+from train.report_paths import portable_path
 from train.workdir import save_model
 
 GENERATING_ARCHS = ("decoder", "prefix_lm")
@@ -157,7 +158,7 @@ class Promoter:
     out = os.path.join(self.root, f"step_{step}")
     report = suites.evaluate_model(model, self.plan.tokenizer, self.cfg.suite, out,
                                 limit=self.cfg.limit, seed=self.cfg.seed, judge=self.judge,
-                                model_info={"workdir": self.workdir, "step": step},
+                                model_info={"workdir": portable_path(self.workdir), "step": step},
                                 max_new_tokens=self.cfg.max_new_tokens)
     return report, os.path.join(out, "report.json")
 

@@ -20,9 +20,10 @@ from infer.quant.awq import awq_quantize
 from infer.quant.checkpoint import quantized_params, save_quantized
 from infer.quant.gptq import gptq_quantize
 from infer.quant.tune import tune_scales
+from train.report_paths import portable_path
 
 METHODS = ("gptq", "awq", "awq-gptq", "rtn")
-EMBEDDINGS = {"same": "same", "int8": "int8", "none": None}
+EMBEDDINGS = {"auto": "auto", "same": "same", "int8": "int8", "none": None}
 
 
 def _record_text(record) -> str | None:
@@ -95,7 +96,7 @@ def _summary(plan: dict, before: int, after: int) -> str:
 
 def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str = "gptq",
                         calib: str | None = None, calib_samples: int = 64, calib_len: int = 256,
-                        embeddings: str = "same", fit_groups: bool = False,
+                        embeddings: str = "auto", fit_groups: bool = False,
                         act_order: bool = True, clip_search: bool = True, tune_epochs: int = 0,
                         tune_lr: float = 2e-3) -> str:
   """Quantizes the model at `model_path` into the new directory `out`; returns a one-line
@@ -130,7 +131,7 @@ def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str =
       raise ValueError(f"--calib_len={calib_len} exceeds the model's max_seq_len="
                        f"{model.cfg.max_seq_len}")
     ids_NT = calibration_ids(calib, tokenizer, calib_samples, calib_len)
-    calib_info = dict(path=os.path.abspath(calib), samples=int(ids_NT.shape[0]),
+    calib_info = dict(path=portable_path(calib), samples=int(ids_NT.shape[0]),
                       length=int(ids_NT.shape[1]))
   if method != "rtn":
     options = dict(fit_groups=fit_groups, act_order=act_order, clip_search=clip_search)
@@ -151,7 +152,7 @@ def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str =
     del teacher
   after = weight_bytes(model)
   meta = dict(method=method, format=fmt.name, embeddings=embeddings, fit_groups=fit_groups,
-              source=os.path.abspath(model_path), calibration=calib_info, bytes_before=before,
+              source=portable_path(model_path), calibration=calib_info, bytes_before=before,
               bytes_after=after)
   path = save_quantized(model, tokenizer, out, plan, meta)
   return f"{method} {fmt.name} -> {path}: {_summary(plan, before, after)}"
