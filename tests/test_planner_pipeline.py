@@ -6,7 +6,7 @@ at toy sizes. XLA:CPU runs the bfloat16 math in float32, so each compiled
 peak is compared with the estimate at float32 compute, like for like, as
 `meshlm plan --compile` does. The 256-device one has the 70B's own mesh
 (pipeline 4 x fsdp 8 x tensor 8, sequence parallel), where the loss once
-compiled to 4.7x its estimate: XLA's SPMD partitioner all-gathered the
+compiled to 3.9x its estimate: XLA's SPMD partitioner all-gathered the
 logits' gradient over the batch axes (train/step.py `token_losses`,
 models/embedding.py `unembed`). Each group compiles in one worker process
 (tests/workers/planner_compile.py), about 20 s per group on two cores.
