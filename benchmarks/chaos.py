@@ -173,7 +173,7 @@ def predicted_goodput(tau: float, s: dict) -> float:
 
 
 def analyse(runs: list[dict], chaos, steps: int) -> dict:
-  from train.plan.planner import young_daly_interval
+  from train.plan.cost import young_daly_interval
   mtbf = float(chaos.mtbf_seconds)
   step = statistics.median(r["step_seconds"] for r in runs)
   for r in runs:

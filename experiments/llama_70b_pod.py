@@ -5,7 +5,7 @@
 tensor parallelism with sequence parallelism over 8 (the 8 key/value heads
 bound it: keep `tensor` within a node's fast links). Plan it:
 
-  meshlm plan --config experiments/llama_70b_pod.py --devices 256 --budget_gb 80
+  meshlm plan --config experiments/llama_70b_pod.py --devices 256 --budget_gb 80 --compile
 
 Train it (set the data and a Llama-3 tokenizer first; one process per host):
 

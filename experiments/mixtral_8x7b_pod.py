@@ -6,7 +6,7 @@ Eight SwiGLU experts per layer (each of model.mlp_dim), two routed per token
 all-to-all. The planner accounts for the MoE keys (expert weights, routed
 activations, all-to-alls). Plan it, then train it:
 
-  meshlm plan --config experiments/mixtral_8x7b_pod.py --devices 64 --budget_gb 80
+  meshlm plan --config experiments/mixtral_8x7b_pod.py --devices 64 --budget_gb 80 --compile
   meshlm train --config experiments/mixtral_8x7b_pod.py --workdir gs://BUCKET/mixtral
 """
 

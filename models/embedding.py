@@ -56,6 +56,11 @@ class Embeddings(nnx.Module):
   def unembed(self, x_BTD):
     """logits_BTV in float32 from final hidden states (already normalised)."""
     cfg = self.cfg
+    # Sequence parallelism splits the residual's positions over `tensor`, which the vocabulary
+    # also uses: gather them first (as before any tensor-parallel matmul), else the SPMD
+    # partitioner may all-gather the logits' gradient over the batch axes for the table's
+    # gradient (docs/parallelism.md). A no-op without sequence parallelism.
+    x_BTD = constrain(x_BTD, ("act_batch", "act_seq", "act_embed"))
     if cfg.tie_embeddings:
       logits_BTV = project("BTD,VD->BTV", x_BTD, self.embed_VD, cfg.jnp_dtype, cfg.matmul,
                            preferred_element_type=jnp.float32)

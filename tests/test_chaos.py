@@ -13,7 +13,7 @@ from conftest import REPO
 from benchmarks import chaos
 from experiments import chaos as chaos_config, llama3_8b_pod
 from train.plan import report as plan_report
-from train.plan.planner import DAY_SECONDS, checkpoint_waste, young_daly_interval
+from train.plan.cost import DAY_SECONDS, checkpoint_waste, young_daly_interval
 
 # Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
 pytestmark = pytest.mark.serial

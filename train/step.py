@@ -17,12 +17,27 @@ import optax
 from flax import nnx
 
 from models.registry import model_inputs
+from parallel import shards_of
 from train import moe_metrics as moe
 
 
 def token_losses(logits_BTV, targets_BT):
-  """Per-token cross-entropy in float32."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+  """Per-token cross-entropy in float32 (optax's), logsumexp minus the target's logit.
+
+  With the vocabulary split over a mesh axis the target's logit is a masked sum
+  instead of optax's `take_along_axis`: XLA's SPMD partitioner turned that
+  gather and its scatter-add transpose into an all-gather of the
+  [B, T, V/tensor] logits over the batch axes, 8x the logits per device for
+  llama_70b_pod (docs/parallelism.md). Same value: the other terms are exact
+  zeros. Unsplit, the gather stays: XLA:CPU reuses the logits' buffer for its
+  transpose, one logits-sized buffer less than the masked sum's gradient.
+  """
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  if shards_of("act_vocab") == 1:
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, targets_BT)
+  vocab_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, 2)
+  target_BT = jnp.sum(jnp.where(vocab_BTV == targets_BT[..., None], logits_BTV, 0.0), axis=-1)
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT
 
 
 def forward_loss(graphdef, params, batch):

@@ -1,10 +1,12 @@
-"""Cost per token of a planned layout: step time from model FLOPs at an assumed MFU plus the
-planner's communication bytes, tokens per day, and $ and kWh per million tokens."""
+"""What a planned layout costs: the checkpoint interval (Young/Daly) and the cost per token
+(step time from model FLOPs at an assumed MFU plus the planner's communication bytes, tokens
+per day, and $ and kWh per million tokens)."""
 
 import math
 
 from parallel.mesh import MESH_AXES
-from train.plan.planner import DAY_SECONDS
+from train.flops import train_flops_per_token
+from train.plan.planner import Planner, Workload
 
 # The step time is model FLOPs at an assumed MFU of the device
 # peak (MFU covers everything that is not communication: kernel efficiency,
@@ -96,3 +98,70 @@ def cost_estimate(step_flops: float, tokens_per_step: float, comm_bytes: float, 
       device_usd_per_million_tokens=device_hours * price_per_device_hour,
       kwh_per_million_tokens=kwh, energy_usd_per_million_tokens=kwh * usd_per_kwh,
       usd_per_million_tokens=device_hours * price_per_device_hour + kwh * usd_per_kwh)
+
+
+# Checkpoint interval. Failures are assumed independent per device, so a job on
+# n devices fails at n times the per-device rate (1e-4 per device-day: about 10
+# failures a day at 100,000 devices). Each host writes its own devices' shards of
+# the parameters and optimizer state in parallel, at `write_gbps_per_host` GB/s
+# (storage that scales with the hosts: a parallel file system or object store);
+# with a data axis replicated shards are counted on every device, an upper bound.
+# The step time, unless given, is model FLOPs at an assumed MFU of the device peak.
+DAY_SECONDS = 86_400.0
+
+
+def young_daly_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float:
+  """Young's optimal compute time between checkpoints, sqrt(2·C·M) seconds.
+
+  First order in C/M (Young 1974); Daly (2006) adds terms that matter only when
+  the checkpoint cost C approaches the mean time between failures M.
+  """
+  if checkpoint_seconds <= 0 or mtbf_seconds <= 0:
+    raise ValueError(f"checkpoint_seconds ({checkpoint_seconds}) and mtbf_seconds "
+                     f"({mtbf_seconds}) must be positive")
+  return math.sqrt(2.0 * checkpoint_seconds * mtbf_seconds)
+
+
+def checkpoint_waste(interval_seconds: float, checkpoint_seconds: float,
+                     mtbf_seconds: float) -> float:
+  """First-order fraction of time lost: saving (C/τ) plus work redone after a failure (τ/2M)."""
+  return checkpoint_seconds / interval_seconds + interval_seconds / (2.0 * mtbf_seconds)
+
+
+def step_flops(work: Workload) -> float:
+  """Model FLOPs of one step (train/flops.py's count; MoE: top_k experts' MLPs per token)."""
+  cfg = work.model
+  per_token = train_flops_per_token(cfg, work.seq_len)
+  return per_token * work.batch_size * work.seq_len
+
+
+def checkpoint_recommendation(planner: Planner, estimate: dict, devices: int,
+                              failures_per_device_day: float = 1e-4,
+                              write_gbps_per_host: float = 1.0, devices_per_host: int = 8,
+                              step_seconds: float = 0.0, mfu: float = 0.4,
+                              peak_tflops: float = 989.0) -> dict:
+  """Young/Daly checkpoint interval for a planned layout (assumptions: see above)."""
+  if min(failures_per_device_day, write_gbps_per_host, devices_per_host, mfu, peak_tflops) <= 0:
+    raise ValueError("failure rate, write bandwidth, devices per host, MFU and peak must be "
+                     "positive")
+  mtbf = DAY_SECONDS / (failures_per_device_day * devices)
+  per_device = estimate["memory"]["params"] + estimate["memory"]["optimizer"]
+  per_host = per_device * min(devices_per_host, devices)
+  cost = per_host / (write_gbps_per_host * 1e9)
+  flops = step_flops(planner.work)
+  if step_seconds > 0:
+    source = "given"
+  else:
+    step_seconds = flops / (devices * peak_tflops * 1e12 * mfu)
+    source = f"estimated at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per device"
+  interval = young_daly_interval(cost, mtbf)
+  every = int(planner.config.checkpoint_every)
+  return dict(failures_per_device_day=failures_per_device_day, devices=devices,
+              mtbf_seconds=mtbf, state_bytes_per_device=per_device,
+              devices_per_host=min(devices_per_host, devices), bytes_per_host=per_host,
+              write_gbps_per_host=write_gbps_per_host, checkpoint_seconds=cost,
+              step_flops=flops, step_seconds=step_seconds, step_source=source,
+              interval_seconds=interval, interval_steps=max(1, round(interval / step_seconds)),
+              waste=checkpoint_waste(interval, cost, mtbf), config_every=every,
+              config_waste=checkpoint_waste(every * step_seconds, cost, mtbf))
+

@@ -20,17 +20,24 @@ JAX keeps for this model's backward pass, from `jax.ad_checkpoint`):
   full           X·c
 Saved = (layer calls per device) × the above: L calls of r = batch/grad_accum
 rows, or with a pipeline (M microbatches, R repeats, P stages) (M·R + P − 1)·L/(R·P)
-calls of r = batch/grad_accum/M rows. Transients on top: with remat=none the
-loss's logits 3·r·T·V·f (logits, their exp, their gradient) plus one layer's
-score gradients and mask S·(2f + 1); with a remat policy the larger of the
-logits and one layer's backward (what the policy recomputes, the `none` set
-minus the saved set, plus S·(f + 1)). Also: gradients (1× the parameters; 2× with grad_accum > 1),
-with FSDP one layer's all-gathered weights (c), and with a circular pipeline
-(R > 1) the weights each iteration picks, saved per iteration (calls × one
-layer's local weights). Calibrated against XLA's
-compiled memory_analysis (tests/test_planner.py): within a few percent for
-float32 compute; the CPU backend computes bfloat16 in float32, so CPU compiles
-of bfloat16 models come out up to ~30% above the (accelerator) estimate.
+calls of r = batch/grad_accum/M rows. Transients on top, the loss (for a whole
+model call, all M microbatches): logits 3·V·f (XLA's peak holds two
+logits-sized buffers, the gradient and the logits or a transposed copy, and
+the output table gathered for the gradient's matmuls; the third V stands for
+that table, within 20% on the layouts below) and final hidden states 3X·f + Xs·(c + f) (the unembedding's input
+and its gradient, gathered over positions: Xs = X unless sequence parallelism
+splits them). With remat=none that plus one layer's score gradients and mask
+S·(2f + 1); with a remat policy the larger of the loss and one layer's backward
+(what the policy recomputes, the `none` set minus the saved set, plus S·(f + 1)).
+Also: gradients (1× the parameters; 2× with grad_accum > 1), with FSDP one
+layer's all-gathered weights (c), with a pipeline the microbatch and stage
+buffers (M + 1)·X·c, and with a circular pipeline (R > 1) the weights each
+iteration picks, saved per iteration (calls × one layer's local weights).
+Calibrated against XLA's compiled memory_analysis (tests/test_planner.py,
+tests/test_planner_pipeline.py): within 20% on every layout tested there when
+the estimate computes as the CPU backend does (`compute_dtype`: XLA:CPU runs
+bfloat16 math in float32, so CPU compiles of bfloat16 models come out above the
+accelerator estimate).
 
 Communication (bytes each device sends per step, ring algorithms: all-gather
 and reduce-scatter move (n−1)/n of the full array, all-reduce twice that,
@@ -62,7 +69,6 @@ from models.attention import AUTO_NAIVE_MAX_SCORES
 from parallel.mesh import MESH_AXES, resolve_axis_sizes
 from parallel.rules import BATCH_AXES, LOGICAL_AXES, get_layout, logical_shardings, logical_to_spec
 from train.defaults import model_config_from
-from train.flops import train_flops_per_token
 from train.optimizer import make_optimizer
 from train.state import abstract_model
 
@@ -248,9 +254,11 @@ class Planner:
     per_layer = nbytes(_POLICY[cfg.remat]) + (weights_c if cast and cfg.remat == "none" else 0)
     per_layer += moe_extra if cfg.remat in ("none", "dots") else 0
     calls = iterations * cfg.num_layers / (stages * w.repeats) if stages > 1 else cfg.num_layers
-    # Transients: the loss (logits, their exp, their gradient) at the start of the backward
+    # Transients: the loss (logits, their gradient, the tables) at the start of the backward
     # pass, and one layer's backward (score gradients, plus what the policy recomputes).
-    logits = m * (3 * loc["V"] * F32 + loc["X"] * (4 * F32 + c))
+    # The final norm works on the residual stream (X); the unembedding's input (in c) and its
+    # gradient (f) are gathered over positions first (Xs; models/embedding.py).
+    logits = m * (3 * loc["V"] * F32 + loc["X"] * 3 * F32 + loc["Xs"] * (F32 + c))
     if cfg.remat == "none":  # score gradients (2 float32 buffers) and the boolean mask
       transient = dict(logits_and_layer_backward=logits + loc["S"] * (2 * F32 + 1))
     else:  # the recomputed scores' buffer is reused for their gradient
@@ -372,70 +380,3 @@ def _zero1_gather(params, p_sh, opt_state, o_sh, sizes) -> dict:
       key = "+".join(extra)
       out[key] = out.get(key, 0) + local * (n - 1) / n
   return out
-
-
-# Checkpoint interval. Failures are assumed independent per device, so a job on
-# n devices fails at n times the per-device rate (1e-4 per device-day: about 10
-# failures a day at 100,000 devices). Each host writes its own devices' shards of
-# the parameters and optimizer state in parallel, at `write_gbps_per_host` GB/s
-# (storage that scales with the hosts: a parallel file system or object store);
-# with a data axis replicated shards are counted on every device, an upper bound.
-# The step time, unless given, is model FLOPs at an assumed MFU of the device peak.
-DAY_SECONDS = 86_400.0
-
-
-def young_daly_interval(checkpoint_seconds: float, mtbf_seconds: float) -> float:
-  """Young's optimal compute time between checkpoints, sqrt(2·C·M) seconds.
-
-  First order in C/M (Young 1974); Daly (2006) adds terms that matter only when
-  the checkpoint cost C approaches the mean time between failures M.
-  """
-  if checkpoint_seconds <= 0 or mtbf_seconds <= 0:
-    raise ValueError(f"checkpoint_seconds ({checkpoint_seconds}) and mtbf_seconds "
-                     f"({mtbf_seconds}) must be positive")
-  return math.sqrt(2.0 * checkpoint_seconds * mtbf_seconds)
-
-
-def checkpoint_waste(interval_seconds: float, checkpoint_seconds: float,
-                     mtbf_seconds: float) -> float:
-  """First-order fraction of time lost: saving (C/τ) plus work redone after a failure (τ/2M)."""
-  return checkpoint_seconds / interval_seconds + interval_seconds / (2.0 * mtbf_seconds)
-
-
-def step_flops(work: Workload) -> float:
-  """Model FLOPs of one step (train/flops.py's count; MoE: top_k experts' MLPs per token)."""
-  cfg = work.model
-  per_token = train_flops_per_token(cfg, work.seq_len)
-  return per_token * work.batch_size * work.seq_len
-
-
-def checkpoint_recommendation(planner: "Planner", estimate: dict, devices: int,
-                              failures_per_device_day: float = 1e-4,
-                              write_gbps_per_host: float = 1.0, devices_per_host: int = 8,
-                              step_seconds: float = 0.0, mfu: float = 0.4,
-                              peak_tflops: float = 989.0) -> dict:
-  """Young/Daly checkpoint interval for a planned layout (assumptions: see above)."""
-  if min(failures_per_device_day, write_gbps_per_host, devices_per_host, mfu, peak_tflops) <= 0:
-    raise ValueError("failure rate, write bandwidth, devices per host, MFU and peak must be "
-                     "positive")
-  mtbf = DAY_SECONDS / (failures_per_device_day * devices)
-  per_device = estimate["memory"]["params"] + estimate["memory"]["optimizer"]
-  per_host = per_device * min(devices_per_host, devices)
-  cost = per_host / (write_gbps_per_host * 1e9)
-  flops = step_flops(planner.work)
-  if step_seconds > 0:
-    source = "given"
-  else:
-    step_seconds = flops / (devices * peak_tflops * 1e12 * mfu)
-    source = f"estimated at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per device"
-  interval = young_daly_interval(cost, mtbf)
-  every = int(planner.config.checkpoint_every)
-  return dict(failures_per_device_day=failures_per_device_day, devices=devices,
-              mtbf_seconds=mtbf, state_bytes_per_device=per_device,
-              devices_per_host=min(devices_per_host, devices), bytes_per_host=per_host,
-              write_gbps_per_host=write_gbps_per_host, checkpoint_seconds=cost,
-              step_flops=flops, step_seconds=step_seconds, step_source=source,
-              interval_seconds=interval, interval_steps=max(1, round(interval / step_seconds)),
-              waste=checkpoint_waste(interval, cost, mtbf), config_every=every,
-              config_waste=checkpoint_waste(every * step_seconds, cost, mtbf))
-

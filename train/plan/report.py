@@ -12,7 +12,7 @@ bytes per device per step / (1 − pipeline bubble).
 It also recommends a checkpoint interval (Young/Daly, sqrt(2 × checkpoint cost ×
 job MTBF)) from --failures_per_device_day, --checkpoint_gbps per host and
 --devices_per_host, and a step time (--step_seconds, or model FLOPs at --mfu of
---peak_tflops); `train.plan.planner.checkpoint_recommendation` lists the assumptions.
+--peak_tflops); `train.plan.cost.checkpoint_recommendation` lists the assumptions.
 
 And a cost per token (`train.plan.cost.cost_estimate`): step time = model FLOPs
 at --mfu of --peak_tflops + communication at --bandwidth_gbps between hosts and
@@ -22,8 +22,8 @@ tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
 """
 
 from train.plan.aot import compare, compile_in_subprocess
-from train.plan.cost import comm_split, cost_estimate
-from train.plan.planner import GiB, Planner, checkpoint_recommendation, step_flops
+from train.plan.cost import checkpoint_recommendation, comm_split, cost_estimate, step_flops
+from train.plan.planner import GiB, Planner
 
 _AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
 # Example figures, all flags: an H100 SXM (989 dense bf16 TFLOP/s, 700 W board power,
@@ -124,9 +124,37 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
     if w.model.dtype != "float32":  # the CPU backend computes bfloat16 in float32
       cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
       out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
+  if budget_gb:
+    out["verdict"] = budget_verdict(budget_gb, est["memory"]["total"], out.get("compiled"),
+                                    w.model.dtype)
   if do_suggest:
     out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top)
   return out
+
+
+def budget_verdict(budget_gb: float, estimate: float, compiled: dict | None, dtype: str) -> dict:
+  """Whether a layout fits `budget_gb` GiB per device, and on what evidence: the compiled
+  peak when there is a compile, else the estimate. XLA:CPU runs bfloat16 math in float32,
+  so for such models a compiled peak sizes a float32-activation program, not the accelerator's:
+  the note says so, and names the estimate at the model's dtype beside it."""
+  budget = budget_gb * GiB
+  if not compiled:
+    return dict(fits=estimate <= budget, basis="estimate", bytes=int(estimate), note="")
+  peak = compiled["peak"]
+  note = ""
+  if dtype != "float32":
+    note = (f"XLA:CPU running {dtype} math in float32; the {dtype} estimate, "
+            f"{_gib(estimate)} GiB, {'fits' if estimate <= budget else 'does not fit'}")
+    if peak > budget >= estimate:
+      note += " but no compile checks it"
+  return dict(fits=peak <= budget, basis="compiled peak", bytes=int(peak), note=note)
+
+
+def format_verdict(budget_gb: float, v: dict) -> str:
+  """'budget 80 GiB: fits (compiled peak 66.29 GiB; ...)': the verdict and what it rests on."""
+  fits = "fits" if v["fits"] else "does not fit"
+  note = f"; {v['note']}" if v["note"] else ""
+  return f"budget {budget_gb:g} GiB: {fits} ({v['basis']} {_gib(v['bytes'])} GiB{note})"
 
 
 def plan_cost(planner: Planner, est: dict, devices: int, **overrides) -> dict:
@@ -172,9 +200,8 @@ def format_plan(p: dict, command: str = "") -> str:
     if key == "activations":
       for k, v in est["activations"].items():
         lines.append(f"    {k:<26s}{_gib(v):>9s}")
-  if p["budget_gb"]:
-    fits = "fits" if mem["total"] <= p["budget_gb"] * GiB else "DOES NOT FIT"
-    lines.append(f"  budget {p['budget_gb']:g} GiB: {fits}")
+  if p.get("verdict"):
+    lines.append("  " + format_verdict(p["budget_gb"], p["verdict"]))
   lines.append("")
   lines.append("communication per device per step                      axes          GiB")
   for row in est["comm"]:
@@ -196,18 +223,22 @@ def format_plan(p: dict, command: str = "") -> str:
                    f"({c['compile_seconds']:.0f} s), XLA memory_analysis per device:")
       lines.append(f"  argument {_gib(c['argument'])} + output {_gib(c['output'])} - aliased "
                    f"{_gib(c['alias'])} + temp {_gib(c['temp'])} = {_gib(c['peak'])} GiB")
-      lines.append(f"  estimate {_gib(cmp['estimate'])} GiB / compiled {_gib(cmp['compiled'])} GiB "
-                   f"= {cmp['ratio']:.2f}")
-      if "comparison_cpu" in p:
+      if "comparison_cpu" in p:  # like for like: the estimate with the math XLA:CPU ran
         cpu = p["comparison_cpu"]
-        lines.append(f"  as the CPU backend runs it ({p['dtype']} math in float32): estimate "
-                     f"{_gib(cpu['estimate'])} GiB / compiled = {cpu['ratio']:.2f}")
+        lines.append(f"  like for like ({p['dtype']} math in float32, as XLA:CPU runs it): "
+                     f"estimate {_gib(cpu['estimate'])} GiB / compiled {_gib(cpu['compiled'])} GiB "
+                     f"= {cpu['ratio']:.2f}")
+        lines.append(f"  estimate at {p['dtype']} (the accelerator's math) "
+                     f"{_gib(cmp['estimate'])} GiB / compiled = {cmp['ratio']:.2f}")
+      else:
+        lines.append(f"  like for like: estimate {_gib(cmp['estimate'])} GiB / compiled "
+                     f"{_gib(cmp['compiled'])} GiB = {cmp['ratio']:.2f}")
       if c.get("collectives"):
         lines.append("  collectives in the compiled step: " + ", ".join(
             f"{k} x{v}" for k, v in c["collectives"].items()))
   if "suggestions" in p:
     s = p["suggestions"]
-    budget = f"within {p['budget_gb']:g} GiB" if p["budget_gb"] else "(no budget)"
+    budget = f"estimated within {p['budget_gb']:g} GiB" if p["budget_gb"] else "(no budget)"
     lines.append("")
     lines.append(f"suggested layouts for {p['devices']} devices {budget}: {s['candidates']} "
                  f"candidates, {s['not_dividing']} do not divide, {s['over_budget']} over budget; "
