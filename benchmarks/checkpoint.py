@@ -44,7 +44,8 @@ def parse_args(argv=None):
   p.add_argument("--json", action="store_true", help="compact JSON on stdout")
   p.add_argument("--every", type=int, default=10, help="steps per checkpoint period")
   # 32: with 4 or 8 periods single runs spread over 5-11% on a shared 2-core host, as wide as
-  # the 10% target's margin (docs/results.md); 32 periods take ~2 minutes per mode at ~120 MB.
+  # the 10% target's margin (docs/notes/checkpoint_overhead.md); 32 periods take ~2 minutes
+  # per mode at ~120 MB.
   p.add_argument("--periods", type=int, default=32,
                  help="periods with a save (and as many without)")
   p.add_argument("--batch", type=int, default=2)

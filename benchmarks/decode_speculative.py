@@ -44,7 +44,7 @@ from benchmarks.common import cpu_count, log  # noqa: E402
 from benchmarks.decode_models import smollm_path  # noqa: E402
 
 TARGET_RATIO = 1.5  # prompt-lookup tokens/s over plain Engine tokens/s
-# Chosen by benchmarks/lookup_policy.py on 12 held-out prompts (see docs/results.md).
+# Chosen by benchmarks/lookup_policy.py on 12 held-out prompts (see docs/notes/cpu_decode.md).
 GAMMA, MAX_NGRAM, MIN_NGRAM = 6, 4, 2
 MAX_TOKENS = 128
 ROUNDS = 4  # timed passes over the workload (quick: 1): the host's speed drifts by seconds

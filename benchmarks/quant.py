@@ -14,8 +14,8 @@ symmetric, -asym or -zp INT4; the default is -zp, one integer zero point per gro
 GPTQ and AWQ checkpoints store it. Calibration uses up to 192 windows of 256 tokens (all
 191 of SmolLM2's calibration text) and perplexity up to 96 held-out windows (all 82 of
 SmolLM2's). Sessions before 12-03 (evening) ran with --int4_kind sym --calib_samples 64
---eval_samples 32, which reproduce their perplexities in docs/results.md (their decode was
-timed one format at a time).
+--eval_samples 32, which reproduce their perplexities in docs/notes/quantization.md
+(their decode was timed one format at a time).
 
 Every projection takes the format and the (tied) embedding/LM head takes it too for
 int8, int8 for the INT4 rows; `fit_groups` halves a group
@@ -137,7 +137,8 @@ def quantized(load, fmt: str | None, method: str | None, calib_NT, embeddings: s
   if fmt is None:
     return model, tokenizer, {}, 0.0
   start = time.perf_counter()
-  # "auto" (meshlm quantize's default too): INT4 rows keep the embedding/LM head at INT8
+  # "auto" (meshlm quantize's default too): INT4 rows keep the embedding/LM head at INT8;
+  # at INT4 it costs more perplexity than all the projections together (docs/notes/quantization.md)
   rules = default_rules(fmt, embeddings=embeddings)
   options = gptq_options or dict(act_order=True, clip_search=True)
   method, tune = method.removesuffix("+tune"), method.endswith("+tune")

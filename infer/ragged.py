@@ -11,12 +11,12 @@ plus the chunk's own keys. Work is proportional to the pages in use (plus at
 most GROUP - 1 null pages per row), not to rows × widest row. With entries of
 one page the scores were hundreds of tiny batched dots per layer: a SmolLM2 CPU
 decode step of eight rows over 96 pages took 50.2 ms, against 45.3 ms with four
-(docs/results.md).
+(docs/notes/cpu_decode.md).
 
 Only float pools read in place take this path (`paged.forward(ragged=...)`),
 pure JAX on every backend. PagedEngine takes it for decode steps on CPU
 (`ragged_decode`), where it was measured faster than the tables
-(docs/results.md); the TPU keeps its Pallas paged-attention kernel.
+(docs/notes/cpu_decode.md); the TPU keeps its Pallas paged-attention kernel.
 """
 
 from typing import NamedTuple

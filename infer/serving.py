@@ -201,7 +201,7 @@ class PagedEngine(Engine):
     """A prefill group's padded length for chunks of up to n tokens: kv_cache.bucket's
     (under 25% padding, four lengths per doubling; powers of two padded a 65-token chunk to
     128, and a prefill's time grows with its padded length). More lengths, more shapes to
-    compile: 17 up to 256 tokens instead of 5 (docs/results.md, row 3)."""
+    compile: 17 up to 256 tokens instead of 5 (docs/notes/cpu_decode.md, row 3)."""
     return kv_cache.bucket(n, self._longest_chunk, 16)
 
   @staticmethod

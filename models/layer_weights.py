@@ -3,7 +3,7 @@
 A stack's parameters lead with the `layers` axis (`blocks.make_stack`) and `decode_stack`
 scans over them. XLA:CPU's dot cannot read a slice of a larger buffer, so that scan copies
 every layer's weights out of the stack at every decode step: 42% of the op time of a
-SmolLM2-135M batch-8 step on 2 CPU cores (docs/results.md, row 2).
+SmolLM2-135M batch-8 step on 2 CPU cores (docs/notes/cpu_decode.md).
 
 `unstack` splits the stack once, outside jit, into one state per layer. Inside jit, `merge`
 rebuilds the model with `blocks` a list of per-layer Blocks, which `decode_stack` runs as a

@@ -6,7 +6,7 @@ device, XLA's CPU backend is faster with one plain 2-D matmul per projection
 (x's batch dimensions flattened to M rows, the contracted ones to K columns,
 w's own to N) and with a backward pass whose weight gradient multiplies a
 materialised xᵀ instead of asking the dot for a transposed operand:
-docs/results.md ("Training throughput") has the numbers. Both forms compute
+docs/results.md ("Training") has the numbers. Both forms compute
 the same products; only the summation order of multi-dimension contractions
 changes.
 """

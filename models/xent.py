@@ -9,7 +9,7 @@ of a gradient computes the backward's products in the same pass over a
 chunk: dx = g·Wᵀ and dW += xᵀ·g with g = (softmax - onehot)·weight; the
 backward pass only scales them. Every matmul is a plain 2-D one (xᵀ
 materialised, as in models/matmul.py). On a CPU this saves memory, not time
-(docs/results.md, "Fused cross-entropy"). Summation order differs from the
+(docs/results.md, "Training"). Summation order differs from the
 unfused loss only within float32 rounding (tests/test_xent.py).
 """
 
@@ -19,8 +19,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Rows per chunk: XLA:CPU's matmuls lose speed below ~512 rows (docs/results.md,
-# "Fused cross-entropy"); at vocabulary 8192 that is 16 MiB of float32 logits.
+# Rows per chunk: XLA:CPU's matmuls lose speed below ~512 rows
+# (docs/notes/cpu_training_throughput.md); at vocabulary 8192 that is 16 MiB of float32 logits.
 CHUNK_ROWS = 512
 
 

@@ -27,7 +27,7 @@ class Checkpointer:
     weights and AdamW moments it saves ~10% of the bytes, and on a
     2-core CPU host, where the write shares cores with the training step, the
     async overhead was 15.1% of a step compressed against 12.1% uncompressed
-    (benchmarks/checkpoint.py, seven paired runs; docs/results.md).
+    (benchmarks/checkpoint.py, seven paired runs; docs/notes/checkpoint_overhead.md).
 
     `idle_writer` starts each save from a helper thread under Linux's
     SCHED_IDLE policy, so the threads Orbax and TensorStore start for the

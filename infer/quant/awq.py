@@ -158,7 +158,7 @@ def awq_quantize(model, rules, calib_ids_NT, *, fit_groups: bool = False, gptq: 
   `clip_search` clips each group's range to the least output error, weighted by the
   scaled inputs' second moment (AWQ's clipping search, on each projection's outputs).
   Unweighted, it clipped the rows the scaling had just enlarged for their energy (on
-  SmolLM2 at int4-g128 perplexity rose from 16.05 to 17.24; docs/results.md)."""
+  SmolLM2 at int4-g128 perplexity rose from 16.05 to 17.24; docs/notes/quantization.md)."""
   plan = quant_plan(model, rules, fit_groups=fit_groups)
   alphas = awq_scale(model, plan, calib_ids_NT, grid=grid, batch=batch)
   if gptq:
