@@ -33,6 +33,14 @@ ACTIONS = {"ls": (("ROOT",), ()), "show": (("PATH",), ("rows",)),
            "decontam": (("SRC", "ROOT"), ("name", "eval_sets", "registry"))}
 
 
+def stem(path: str) -> str:
+  """The file's name less its data extensions: helpful-base-test.v2.jsonl.gz -> ...-test.v2."""
+  name = os.path.basename(path)
+  for ext in (".gz", ".jsonl", ".json"):
+    name = name.removesuffix(ext)
+  return name
+
+
 def make_flags(argv: list[str]) -> flags.FlagValues:
   del argv  # no --config here
   fv = flags.FlagValues()
@@ -84,7 +92,7 @@ def main(argv: list[str], command: str = "data") -> None:
       print(f"registered {entry['name']!r} ({entry['asset']}) in {registry}")
     else:
       src, root = args
-      name = fv["name"].value or os.path.basename(src).split(".")[0] + "-decontam"
+      name = fv["name"].value or stem(src) + "-decontam"
       vdir = write_decontaminated(src, root, name, eval_sets=fv["eval_sets"].value,
                                   registry=fv["registry"].value or REGISTRY)
       print_show(vdir, 0, sys.stdout)

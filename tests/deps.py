@@ -59,10 +59,16 @@ def _missing_module(module: str, detail: str):
 
 
 def require(module: str):
-  """The imported module; a missing one goes to missing() with its install step."""
+  """The imported module; a missing one goes to missing() with its install step. Any other
+  import error is raised as it is."""
   try:
     return importlib.import_module(module)
-  except ImportError as e:
+  except ModuleNotFoundError as e:
+    # only the module itself (or a package above it) counts as missing: a module that is
+    # installed but fails to import its own dependencies is a broken install, not a skip
+    parts = module.split(".")
+    if e.name not in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+      raise
     error = f"{type(e).__name__}: {e}"
   _missing_module(module, error)  # outside the except: no chained traceback in the report
 

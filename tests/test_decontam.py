@@ -272,6 +272,13 @@ def test_decontamination_refuses_bad_input_and_bad_manifests(tmp_path):
     assets.read_manifest(vdir)
 
 
+def test_the_default_asset_name_keeps_dots_inside_the_file_name():
+  from cli.data import stem
+  assert stem("/d/helpful-base-test.jsonl.gz") == "helpful-base-test"
+  assert stem("hh.v2.train.jsonl") == "hh.v2.train"
+  assert stem("rows.json") == "rows"
+
+
 def test_committed_hh_asset_is_what_the_command_writes(tmp_path):
   """data/hh-rlhf/helpful-base-test-decontam/v1 equals a fresh `meshlm data decontam` of the
   raw file: the same 144 rows dropped (all AlpacaEval), the same content; AlpacaEval's

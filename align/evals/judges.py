@@ -66,6 +66,8 @@ def describe(report: dict) -> str:
   """The report's judge in words, for messages: its name and weights, or why it is unknown."""
   w = _weights(report)
   if w is None and "judge" in report and report["judge"] is None:
+    if any(is_judged(n) for n in report.get("metrics", {})):
+      return "no judge: the report names none, yet it has judged metrics (win rates)"
     return "no judge (the report has no judged metrics)"
   if w is None:
     # a schema-1 report's settings.judge is a name or "the evaluated model", not an identity

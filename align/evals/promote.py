@@ -10,8 +10,9 @@ Config (train/defaults.py, `eval_gate`):
              (WORKDIR/evals/step_0), so a run never promotes a model worse than where it
              started. A baseline judged by another judge is refused before training.
   max_drop   the gate's tolerances, "helpful=0.02,..." (align/evals/gate.py)
-  judge      the helpfulness judge checkpoint; empty: a frozen copy of the model as this
-             invocation started (one judge for every step, never the model judging itself)
+  judge      the helpfulness judge checkpoint; empty: a frozen copy of the model as the run
+             started, saved to WORKDIR/evals/judge/ so a resumed run keeps the same judge
+             (one judge for every step, never the model judging itself)
 
 make_gate(config) builds the loop's hook (train/gate.py) from the config, None when
 eval_gate.every is 0; the caller passes it to train(gate=...).
@@ -27,15 +28,18 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from align.evals import gate, judges, suites
 from align.evals.helpful import judge_for
 from train import decontam
 from train.gate import gate_configured
 from train.report_paths import portable_path
-from train.workdir import save_model
+from train.workdir import is_workdir, save_model
 
 GENERATING_ARCHS = ("decoder", "prefix_lm")
+JUDGE_DIR = "judge"  # WORKDIR/evals/judge: the default judge, kept for resumes
 
 
 def check_protected(suite: str, decontam_cfg=None) -> None:
@@ -106,8 +110,6 @@ class PromotionGate:
 
 def _frozen_copy(model):
   """The model with its own copy of every array: the training step donates the originals."""
-  import jax.numpy as jnp
-  from flax import nnx
   graphdef, state = nnx.split(model)
   return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
 
@@ -124,8 +126,7 @@ class Promoter:
         self.judge = judge_for(cfg.judge, None)
         self.judge.name = os.path.basename(os.path.normpath(cfg.judge))
       elif plan.tokenizer.chat_template:
-        self.judge = judge_for(None, _Chat(_frozen_copy(model_at_start), plan.tokenizer))
-        self.judge.name = f"the model at step {start_step}"
+        self.judge = self._starting_judge(model_at_start, start_step)
     self.baseline = cfg.baseline or os.path.join(self.root, "step_0", "report.json")
     if not os.path.exists(self.baseline):
       if start_step:
@@ -136,6 +137,24 @@ class Promoter:
       self._check_judge(gate.load_report(self.baseline))
     # the tolerances must name dimensions or metrics of the baseline
     gate.check_tolerances(gate.load_report(self.baseline), gate.parse_max_drop(cfg.max_drop))
+
+  def _starting_judge(self, model_at_start, start_step: int):
+    """The default judge: the model the run started from. A fresh run saves it to
+    WORKDIR/evals/judge/; a resumed run loads it from there, since its own starting model
+    is the restored one and a different judge would void every comparison with step 0."""
+    saved = os.path.join(self.root, JUDGE_DIR)
+    if start_step and is_workdir(saved):
+      judge = judge_for(saved, None)
+      judge.name = "the model at step 0"
+      return judge
+    copy = _frozen_copy(model_at_start)
+    if not start_step:
+      shutil.rmtree(saved, ignore_errors=True)
+      save_model(saved, self.plan.model_cfg, self.plan.tokenizer, nnx.state(copy, nnx.Param),
+                 0)
+    judge = judge_for(None, _Chat(copy, self.plan.tokenizer))
+    judge.name = f"the model at step {start_step}"
+    return judge
 
   def _check_judge(self, baseline: dict) -> None:
     """Refuses, before training, a baseline whose win rates another judge scored: every
@@ -168,7 +187,8 @@ class Promoter:
     try:
       result = gate.compare(gate.load_report(self.baseline), report,
                             gate.parse_max_drop(self.cfg.max_drop))
-    except gate.JudgeRefused as e:  # e.g. the step's weights equal the judge's: not promoted
+    except (gate.JudgeRefused, gate.NothingCompared) as e:  # e.g. the step's weights equal
+      # the judge's: not promoted
       result = {"passed": False, "checks": [],
                 "failures": [{"metric": "judge", "status": "failed", "why": str(e)}]}
     result.update(step=step, report=path, baseline=self.baseline)
@@ -184,7 +204,6 @@ class Promoter:
 
   def _promote(self, step: int, model, report_path: str) -> None:
     """WORKDIR/promoted/ <- the model (written aside, then swapped in), promoted.json."""
-    from flax import nnx
     final = os.path.join(self.workdir, "promoted")
     tmp, old = final + ".tmp", final + ".old"
     for d in (tmp, old):

@@ -24,8 +24,8 @@ calls of r = batch/grad_accum/M rows. Transients on top, the loss (for a whole
 model call, all M microbatches): logits 3·V·f (XLA's peak holds two
 logits-sized buffers, the gradient and the logits or a transposed copy, and
 the output table gathered for the gradient's matmuls; the third V stands for
-that table, within 20% on the layouts below) and final hidden states 3X·f + Xs·(c + f) (the unembedding's input
-and its gradient, gathered over positions: Xs = X unless sequence parallelism
+that table, within the calibration bounds below) and final hidden states
+3X·f + Xs·(c + f) (the unembedding's input and its gradient, gathered over positions: Xs = X unless sequence parallelism
 splits them). With remat=none that plus one layer's score gradients and mask
 S·(2f + 1); with a remat policy the larger of the loss and one layer's backward
 (what the policy recomputes, the `none` set minus the saved set, plus S·(f + 1)).
@@ -33,10 +33,10 @@ Also: gradients (1× the parameters; 2× with grad_accum > 1), with FSDP one
 layer's all-gathered weights (c), with a pipeline the microbatch and stage
 buffers (M + 1)·X·c, and with a circular pipeline (R > 1) the weights each
 iteration picks, saved per iteration (calls × one layer's local weights).
-Calibrated against XLA's compiled memory_analysis (tests/test_planner.py,
-tests/test_planner_pipeline.py): within 20% on every layout tested there when
-the estimate computes as the CPU backend does (`compute_dtype`: XLA:CPU runs
-bfloat16 math in float32, so CPU compiles of bfloat16 models come out above the
+Calibrated against XLA's compiled memory_analysis: estimate / compiled peak
+within 0.75–1.25 on every layout of tests/test_planner.py and 0.8–1.2 on those
+of tests/test_planner_pipeline.py, when the estimate computes as the CPU backend
+does (`compute_dtype`: XLA:CPU runs bfloat16 math in float32, so CPU compiles of bfloat16 models come out above the
 accelerator estimate).
 
 Communication (bytes each device sends per step, ring algorithms: all-gather
