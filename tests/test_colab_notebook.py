@@ -10,6 +10,7 @@ the notebook sits in, else a clone of MESHLM_REPO) is checked by running that ce
 git and the import lookup stubbed.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
