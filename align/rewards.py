@@ -4,6 +4,8 @@
   letter:X        share of the completion's characters equal to X (case-insensitive), in [0, 1]
   word:W          share of the completion's words equal to W (case-insensitive), in [0, 1]
   length:LO:HI    1 if LO <= characters <= HI, falling linearly to 0 at distance HI - LO + 1
+  arith           1 if the completion's final answer equals the answer of the prompt's
+                  arithmetic problem (align/arith.py, recomputed from the prompt text), else 0
   rm:WORKDIR      a trained reward model (`meshlm rm` workdir, full fine-tuning) scoring the
                   rollout's token ids; it must share the policy's tokenizer
 The programmatic ones are known, cheap and hard to misread: what a controlled experiment
@@ -19,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from align import arith
 from align.heads import RewardModel, forward_rewards
 from train.checkpoint import restore_params
 from train.workdir import is_workdir, load_model_config, load_tokenizer
@@ -63,9 +66,19 @@ def length_in_range(lo: str, hi: str) -> RewardFn:
   return fn
 
 
+def arith_correct() -> RewardFn:
+  def fn(prompt: str, completion: str) -> float:
+    if not prompt:
+      return 0.0  # a rollout's padding row (align/rollout.sample_rollout): never used
+    truth = arith.answer_of_prompt(prompt)  # raises for a prompt that holds no problem
+    return float(arith.final_answer(completion) == truth)
+  return fn
+
+
 # name -> factory(*args from the spec) -> RewardFn
 REWARDS: dict[str, Callable[..., RewardFn]] = {
-    "letter": letter_share, "word": word_share, "length": length_in_range}
+    "letter": letter_share, "word": word_share, "length": length_in_range,
+    "arith": arith_correct}
 
 
 def reward_fn(spec: str) -> RewardFn:

@@ -12,14 +12,14 @@ import optax
 import pytest
 
 import parallel
-from align import rl
+from align import arith, rl
 from align.grpo import GRPOTask
 from align.ppo import KL_LEDGER, PPOTask
 from align.reward import RewardTask
 from align.rewards import make_scorer, reward_fn
 from align.rollout import Rollout, row_seeds
 from conftest import build_once
-from test_align_tasks import metrics, tiny
+from test_align_tasks import REPO, metrics, tiny
 from train.loop import train
 from train.optimizer import make_optimizer
 from train.setup import plan_run
@@ -177,3 +177,28 @@ def test_ppo_resumes_exactly_with_an_adaptive_kl(rm_workdir, tmp_path):
   assert rows_w[-1]["kl_coef"] != rows_w[0]["kl_coef"]  # the controller moved it
   with open(os.path.join(part, KL_LEDGER)) as f:
     assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+
+
+def test_grpo_scores_the_arithmetic_task_exactly(rm_workdir, tmp_path):
+  """`reward=arith` on data/arith: the loop's decoded chat prompts parse, and each score is
+  1 exactly where the completion's final answer is the record's answer."""
+  data = os.path.join(REPO, "data", "arith")
+  config = rl_config("grpo", **{"tokenizer.path": rm_workdir,
+                                "data.path": os.path.join(data, "train.jsonl"),
+                                "data.validation_path": os.path.join(data, "heldout.jsonl")})
+  g = config.align.grpo
+  g.reward, g.group_size, g.max_new_tokens, config.batch_size = "arith", 2, 8, 8
+  with open(os.path.join(data, "train.jsonl")) as f:
+    answers = {r["prompt"].split("\n")[0]: r["answer"] for r in map(json.loads, f)}
+  task, plan, it, state, frozen = setup(GRPOTask, config, str(tmp_path))
+  with in_context(plan):
+    rollout = task.rollout(state["params"], frozen, next(it), row_seeds(0, 0, 8), repeat=2)
+    scores = task.scorer(rollout)
+  truths = [[a for problem, a in answers.items() if problem in p] for p in rollout.prompt_texts]
+  assert all(len(t) == 1 for t in truths), truths
+  np.testing.assert_array_equal(scores, [float(arith.final_answer(c) == t)
+                                         for c, [t] in zip(rollout.completion_texts, truths)])
+  # the tiny model's answers are noise: right and wrong ones written in score 1 and 0
+  written = Rollout({}, rollout.prompt_texts[:2], [f"Answer: {truths[0][0]}",
+                                                   f"Answer: {truths[1][0] + 1}"], ["stop"] * 2)
+  np.testing.assert_array_equal(task.scorer(written), [1.0, 0.0])

@@ -77,7 +77,7 @@ def base_config() -> ConfigDict:
                                     response_only=False))
   # On-policy RL (`meshlm ppo|grpo`, align/ppo.py, align/grpo.py): batch_size counts sampled
   # completions; rows hold prompt + completion in seq_len tokens. reward: align/rewards.py
-  # ("letter:e", "word:W", "length:LO:HI", "rm:WORKDIR"); prompts: "chat" | "text".
+  # ("letter:e", "word:W", "length:LO:HI", "arith", "rm:WORKDIR"); prompts: "chat" | "text".
   c.align.ppo = ConfigDict(dict(
       reward="letter:e", prompts="chat", max_new_tokens=32, temperature=0.7,
       kl_coef=0.05, kl_estimator="k1",   # | "k3"
