@@ -1,6 +1,6 @@
 """GRPO on the shared loop: G completions per prompt, group-normalised advantages, no critic.
 
-Each loop step (`prepare`, then the jitted update, align/rollout.py):
+Each loop step (`prepare`, then the jitted update, align/onpolicy.py):
   1. batch_size // G prompts, each sampled G times (consecutive rows, seeds per row)
   2. scores (align/rewards.py) -> A_b = (r_b - mean_group) / (std_group + eps), one
      advantage per completion (align/rl.grpo_advantages)
@@ -19,7 +19,7 @@ import numpy as np
 
 from align import rl
 from align.logprobs import response_mask
-from align.rollout import OnPolicyTask
+from align.onpolicy import OnPolicyTask
 from models import ConfigError
 
 

@@ -1,6 +1,6 @@
 """PPO (RLHF) on the shared loop: sample, score, a KL-penalised reward, GAE, clipped updates.
 
-Each loop step (`prepare`, then the jitted update, align/rollout.py):
+Each loop step (`prepare`, then the jitted update, align/onpolicy.py):
   1. sample one completion per prompt from the current policy (temperature, max_new_tokens)
   2. score it: align/rewards.py (a programmatic reward or a reward-model workdir)
   3. old logps, reference logps and values (V_old) of every completion token, with
@@ -37,7 +37,8 @@ from flax import nnx
 from align import rl
 from align.heads import ScalarHead
 from align.logprobs import response_mask
-from align.rollout import VALUE, OnPolicyTask, completion_logps, policy_forward
+from align.onpolicy import VALUE, OnPolicyTask
+from align.rollout import completion_logps, policy_forward
 from models import ConfigError
 
 KL_LEDGER = "kl_controller.jsonl"
