@@ -1,5 +1,14 @@
 """OnPolicyTask, what PPO (align/ppo.py) and GRPO (align/grpo.py) share: prompt data,
 rollouts in `prepare` (align/rollout.py), several updates a step, evaluation by sampling.
+
+One or many processes (jax.distributed), the same run: a step's prompts are one global batch
+and each process samples, on its own devices (parallel.process_mesh), and scores its
+contiguous share of the rows, with the seeds of their global row indices. Everything after
+is computed over the global batch on the run's mesh, by jitted functions with explicit
+shardings: the old and reference log-probs, values and advantages (`experience`: PPO's
+whitening and KL statistics are global), the updates, and the evaluation's sums. A GRPO
+group stays within one process (its G rows are consecutive), so group normalisation on the
+host is exact.
 """
 
 import functools
@@ -8,19 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
+import parallel
 from align import datasets as ds_lib
 from align.logprobs import response_mask
 from align.rewards import make_scorer
-from align.rollout import (EVAL, Rollout, Sampler, completion_logps, load_prompt_split,
+from align.rollout import (EVAL, TRAIN, Rollout, Sampler, completion_logps, load_prompt_split,
                            policy_forward, prompt_dataset, row_seeds, sample_rollout)
-from align.tasks import AlignTask
+from align.tasks import AlignTask, masked_sum
 from models import ConfigError
 from train import data as data_lib
 from train import step as step_lib
 from train.optimizer import make_optimizer
-
+from train.task import batch_sharding, field_sharding, to_global
 
 VALUE = "value_head"  # PPO's value head, kept beside the LM's params (align/ppo.py)
 
@@ -67,7 +78,8 @@ class OnPolicyTask(AlignTask):
 
   The reference (`uses_reference`): the frozen base under LoRA, else a frozen copy of the
   starting LM. Evaluation samples one completion per validation prompt (fixed seeds) and
-  reports val_reward, val_length (tokens), val_kl (summed log pi - log pi_ref).
+  reports val_reward, val_length (tokens), val_kl (summed log pi - log pi_ref), means over
+  every process's prompts.
   """
 
   pairs = False
@@ -81,13 +93,15 @@ class OnPolicyTask(AlignTask):
     if not 0 < new < config.seq_len:
       raise ConfigError(f"align.{self.section}.max_new_tokens={new} must be in "
                         f"[1, seq_len={config.seq_len})")
-    if jax.process_count() > 1:
-      raise ConfigError(f"meshlm {self.name}: rollouts run in one process only")
     self.epochs, self.minibatches = int(self.rl.epochs), int(self.rl.minibatches)
     self.updates = self.epochs * self.minibatches
     if self.epochs < 1 or self.minibatches < 1 or rows % self.minibatches or rows % self.group:
       raise ConfigError(f"batch_size={rows} must split into align.{self.section}.minibatches="
                         f"{self.minibatches} (and groups of {self.group}); epochs >= 1")
+    if (rows // self.group) % jax.process_count():
+      raise ConfigError(f"batch_size={rows} makes {rows // self.group} prompts a step (groups "
+                        f"of {self.group}), which must split evenly over "
+                        f"{jax.process_count()} processes")
     if self.updates > 1 and config.grad_accum != 1:
       raise ConfigError("several updates a step (epochs x minibatches > 1) need grad_accum=1")
     self.max_prompt_len = config.seq_len - new
@@ -113,11 +127,14 @@ class OnPolicyTask(AlignTask):
       prompts, report = load_prompt_split(data_cfg, plan.tokenizer, split, self.max_prompt_len,
                                           self.rl.prompts)
       ds_lib.write_report(self.workdir, split, report)
-      print(f"meshlm {self.name}: {split} prompts {report.as_dict()}", flush=True)
+      if jax.process_index() == 0:
+        print(f"meshlm {self.name}: {split} prompts {report.as_dict()}", flush=True)
       if split == "train" or report.total:
         report.check(self.align.max_skipped_fraction)
       out[split] = prompt_dataset(prompts, batch_size=c.batch_size // self.group,
-                                  max_prompt_len=self.max_prompt_len, split=split, seed=c.seed)
+                                  max_prompt_len=self.max_prompt_len, split=split, seed=c.seed,
+                                  process_index=jax.process_index(),
+                                  process_count=jax.process_count())
     return out
 
   # --- params ---
@@ -132,10 +149,15 @@ class OnPolicyTask(AlignTask):
 
   def init_state(self, plan, tx, mesh, layout):
     out = super().init_state(plan, tx, mesh, layout)
+    self.batch_sh = batch_sharding(mesh)
+    self.local_mesh = parallel.process_mesh(mesh)  # where this process samples its rows
     self.sampler = Sampler(self.graphdef, plan.tokenizer, self.config.seq_len,
-                           self.config.batch_size)
-    self._lm_params = jax.jit(self.policy_params)
-    self._eval_kl = None
+                           self.config.batch_size // jax.process_count())
+    lm_shardings = lm_only(self.frozen_shardings["model"] if self.rank  # LoRA: the base's
+                           else self.param_shardings)
+    self._lm_params = jax.jit(self.policy_params,
+                              in_shardings=(self.param_shardings, self.frozen_shardings),
+                              out_shardings=lm_shardings)
     return out
 
   def policy_params(self, trainable, frozen):
@@ -154,6 +176,17 @@ class OnPolicyTask(AlignTask):
     _, logits_BTV = policy_forward(nnx.merge(self.graphdef, lm_params), batch, self.temperature)
     return completion_logps(logits_BTV, batch, mask_BT)
 
+  def jit_on_mesh(self, fn, out_shardings, args: int = 1):
+    """fn(trainable, frozen, batch, *more) jitted on the run's mesh: params and frozen as the
+    state holds them, the global batch (and `args` - 1 more arguments) as given (to_global
+    lays a batch out)."""
+    return jax.jit(fn, in_shardings=(self.param_shardings, self.frozen_shardings) +
+                   (None,) * args, out_shardings=out_shardings)
+
+  def field_sharding(self, ndim: int) -> NamedSharding:
+    """Where a global batch field of rank `ndim` lives (a scalar: replicated)."""
+    return field_sharding(self.batch_sh, ndim)
+
   # --- steps ---
 
   def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
@@ -166,41 +199,56 @@ class OnPolicyTask(AlignTask):
                    out_shardings=(shardings, None), donate_argnums=0)
 
   def rollout(self, trainable, frozen, prompt_batch, seeds, repeat: int = 1) -> Rollout:
-    return sample_rollout(self.sampler, self._lm_params(trainable, frozen), prompt_batch, seeds,
-                          seq_len=self.config.seq_len, temperature=self.temperature,
-                          max_new_tokens=int(self.rl.max_new_tokens), repeat=repeat)
+    """This process's rows, sampled on its own devices: the current LM's params are moved
+    onto them (every process calls this together), the Engine runs there alone."""
+    params = parallel.to_process_mesh(self._lm_params(trainable, frozen), self.local_mesh)
+    with jax.set_mesh(self.local_mesh):
+      return sample_rollout(self.sampler, params, prompt_batch, seeds,
+                            seq_len=self.config.seq_len, temperature=self.temperature,
+                            max_new_tokens=int(self.rl.max_new_tokens), repeat=repeat)
+
+  def score(self, rollout: Rollout) -> np.ndarray:
+    """scores_B float32 of this process's rows (a reward model runs on its own devices)."""
+    with jax.set_mesh(self.local_mesh):
+      return np.asarray(self.scorer(rollout), np.float32)
+
+  def seeds(self, step: int, rows: int, namespace: int = TRAIN) -> list[int]:
+    """The sampling seeds of this process's `rows` rows: those of their global indices."""
+    return row_seeds(self.config.seed, step, rows, namespace, start=jax.process_index() * rows)
 
   def prepare(self, state, frozen, batch, step: int) -> dict:
     """The step's batch: completions sampled from the current policy, scored, with the
     subclass's training fields."""
     trainable = state["params"]
-    rows = self.config.batch_size
-    rollout = self.rollout(trainable, frozen, batch, row_seeds(self.config.seed, step, rows),
-                           repeat=self.group)
-    scores_B = np.asarray(self.scorer(rollout), np.float32)
-    return self.experience(trainable, frozen, rollout, scores_B, step)
+    rows = self.config.batch_size // jax.process_count()
+    rollout = self.rollout(trainable, frozen, batch, self.seeds(step, rows), repeat=self.group)
+    return self.experience(trainable, frozen, rollout, self.score(rollout), step)
 
   def experience(self, trainable, frozen, rollout: Rollout, scores_B, step: int) -> dict:
+    """The training batch: this process's rows and fields, and fields computed on the mesh
+    over the global batch (global arrays, which the loop's to_global keeps)."""
     raise NotImplementedError
 
+  # --- evaluation ---
+
   def evaluate(self, params, frozen, batches, batch_sh) -> dict:
-    if self._eval_kl is None:
-      def kl_B(trainable, frozen, batch):
-        mask_BT = response_mask(batch)
-        return jnp.sum(self.logps(self.policy_params(trainable, frozen), batch, mask_BT) -
-                       self.logps(self.ref_params(frozen), batch, mask_BT), axis=-1)
-      self._eval_kl = jax.jit(kl_B)
-    totals, n = {"reward": 0.0, "length": 0.0, "kl": 0.0}, 0.0
-    for i, batch in enumerate(batches):
-      rows = len(batch["prompt_len"])
-      rollout = self.rollout(params, frozen, batch, row_seeds(self.config.seed, i, rows, EVAL))
-      valid_B = rollout.valid_B
-      totals["reward"] += float(np.sum(valid_B * self.scorer(rollout)))
-      totals["length"] += float(np.sum(valid_B * rollout.batch["loss_mask"].sum(-1)))
-      if self.uses_reference:
-        totals["kl"] += float(np.sum(valid_B * jax.device_get(
-            self._eval_kl(params, frozen, rollout.batch))))
-      n += float(np.sum(valid_B))
-    out = {f"val_{k}": v / max(n, 1.0) for k, v in totals.items()
-           if k != "kl" or self.uses_reference}
-    return {**out, "val_count": n}
+    rows = (self.eval_rows(params, frozen, batch, i) for i, batch in enumerate(batches))
+    return super().evaluate(params, frozen, rows, batch_sh)  # sums over the global batches
+
+  def eval_rows(self, params, frozen, prompt_batch, i: int) -> dict:
+    """Validation batch i's rollout (one completion a prompt), scored: this process's rows."""
+    rollout = self.rollout(params, frozen, prompt_batch,
+                           self.seeds(i, len(prompt_batch["prompt_len"]), EVAL))
+    return {**rollout.batch, "scores": self.score(rollout), "valid": rollout.valid_B}
+
+  def eval_sums(self, trainable, frozen, batch) -> dict:
+    valid_B = batch["valid"]
+    mask_BT = response_mask(batch)
+    out = {"reward": masked_sum(batch["scores"], valid_B),
+           "length": masked_sum(jnp.sum(mask_BT, axis=-1), valid_B),
+           "count": jnp.sum(valid_B)}
+    if self.uses_reference:
+      kl_B = jnp.sum(self.logps(self.policy_params(trainable, frozen), batch, mask_BT) -
+                     self.logps(self.ref_params(frozen), batch, mask_BT), axis=-1)
+      out["kl"] = masked_sum(kl_B, valid_B)
+    return out

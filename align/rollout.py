@@ -8,11 +8,14 @@ Prompts (`align.{ppo,grpo}.prompts`), at most seq_len - max_new_tokens tokens ea
          go first (align.drop_turns), then the prompt is skipped
   text   train/data.py documents (data.text_key of .jsonl; .txt split on data.doc_separator,
          "\n": a prompt a line), encoded raw and cut to fit
-`prepare` samples completions into align/data.py's [B, T] layout, loss_mask 1 exactly on
-the completion's targets (EOS included), on one inference Engine (infer/engine.py) whose
+A step's prompts are one global batch; each process takes a contiguous share of its rows
+(prompt_dataset), so global row r is the same prompt whatever the process count.
+`sample_rollout` samples completions into align/data.py's [B, T] layout, loss_mask 1 exactly
+on the completion's targets (EOS included), on one inference Engine (infer/engine.py) whose
 state is swapped for the current params: its jitted prefill/decode take params as an
-argument, so they compile once per shape, never per step. Row r of step s samples with its
-own seed, a hash of (config.seed, s, r): a resumed run samples what an uninterrupted one would.
+argument, so they compile once per shape, never per step. Global row r of step s samples
+with its own seed, a hash of (config.seed, s, r) (row_seeds): a resumed run samples what an
+uninterrupted one would, and a run on many processes what a run on one would.
 """
 
 import dataclasses
@@ -112,24 +115,37 @@ def _prompt_row(ids, length: int) -> dict:
 
 def prompt_dataset(prompts, *, batch_size: int, max_prompt_len: int, split: str, seed: int,
                    process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-  """Batches of {"prompt_ids" int32 [batch_size, max_prompt_len], "prompt_len" [batch_size]}:
-  train endless and shuffled, validation one pass padded with empty (length 0) prompts."""
-  empty = np.zeros(0, np.int32)
+  """This process's rows of global batches of `batch_size` prompts: {"prompt_ids" int32
+  [batch_size / process_count, max_prompt_len], "prompt_len" [batch_size / process_count]},
+  rows [i * b, (i + 1) * b) of the global batch on process i. Train endless and shuffled,
+  validation one pass padded with empty (length 0) prompts."""
+  if batch_size % process_count:
+    raise ValueError(f"prompt_dataset: {batch_size} prompts a batch do not split over "
+                     f"{process_count} processes")
+  prompts = list(prompts)
   if split == "validation":
-    ds = ds_lib.padded_shard(list(prompts), empty, batch_size, process_index, process_count)
+    prompts += [np.zeros(0, np.int32)] * (-len(prompts) % batch_size)
+    ds = grain.MapDataset.source(prompts)
   elif not prompts:
     raise ValueError("prompt_dataset: no training prompts")
   else:
-    ds = grain.MapDataset.source(list(prompts)).shuffle(seed=seed).repeat()
-    ds = ds[process_index::process_count]
-  ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len))
-  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(ds_lib.IN_MEMORY_READ)
+    ds = grain.MapDataset.source(prompts).shuffle(seed=seed).repeat()
+  b = batch_size // process_count
+  # Every process batches the global stream and keeps its slice: cheap (prompt ids only),
+  # and the global batch is the one-process batch, row for row.
+  ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len)).batch(batch_size,
+                                                                   drop_remainder=True)
+  ds = ds.map(lambda rows: {k: v[process_index * b:(process_index + 1) * b]
+                            for k, v in rows.items()})
+  return ds.to_iter_dataset(ds_lib.IN_MEMORY_READ)
 
 
-def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN) -> list[int]:
-  """A uint32 sampling seed per row, a hash of (seed, namespace, step, row)."""
+def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN,
+              start: int = 0) -> list[int]:
+  """A uint32 sampling seed for each of global rows start ... start + rows - 1, a hash of
+  (seed, namespace, step, row)."""
   return [int(np.random.SeedSequence([seed, namespace, step, r]).generate_state(1)[0])
-          for r in range(rows)]
+          for r in range(start, start + rows)]
 
 
 class Sampler:
