@@ -5,13 +5,16 @@ reference's, through align/preference.dpo_loss (sigmoid, IPO, hinge, robust; ref
 The reference is, by `align.dpo.reference`:
   online   recomputed each step: the frozen base under LoRA (one backbone for both), else a
            frozen copy of the starting params
-  cached   computed once before training over every pair of both splits, saved to
-           WORKDIR/ref_logps_{split}.npz (with a fingerprint of the
-           pairs and weights it came from) and carried with the dataset (no reference forward
-           per step; a restart reloads the file)
+  cached   computed once before training over every pair of both splits, on the run's
+           mesh with the layout's shardings (every process passes the same pairs, each
+           device scores its rows, every process reads the whole result), saved by process
+           0 to WORKDIR/ref_logps_{split}.npz (with a fingerprint of the pairs and weights
+           it came from) and carried with the dataset (no reference forward per step; a
+           restart reloads the file, unless some process cannot read it: then all compute)
 Either way it is frozen: outside the differentiated params, behind stop_gradient.
 """
 
+import functools
 import hashlib
 import os
 
@@ -19,13 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
+import parallel
 from align.data import pair_batch
 from align.datasets import join_pairs, pair_valid
-from align.logprobs import response_lengths, sequence_logps, split_pairs
+from align.logprobs import forward_logps, response_lengths, sequence_logps, split_pairs
 from align.preference import dpo_loss
 from align.tasks import AlignTask, pair_sums
 from models import ConfigError
+from train.task import batch_sharding, field_sharding
 
 REFERENCES = ("online", "cached")
 
@@ -79,27 +86,46 @@ class DPOTask(AlignTask):
       for ids, mask in (chosen, rejected):
         digest.update(np.asarray(ids, np.int32).tobytes() + np.asarray(mask, np.int8).tobytes())
     fingerprint = digest.hexdigest()
+    refs = None
     if os.path.exists(path):
       with np.load(path) as cached:
         if str(cached["fingerprint"]) == fingerprint:
-          return cached["refs"]
-    params = self.initial_params(plan)  # the starting model is the reference
-    score = jax.jit(lambda p, b: sequence_logps(nnx.merge(self.graphdef, p), b))
-    rows = int(self.config.batch_size)
-    refs = []
-    for i in range(0, len(pairs), rows):
-      chunk = list(pairs[i:i + rows])
-      n = len(chunk)
-      chunk += [chunk[-1]] * (rows - n)  # one compiled shape
-      logps_2B = np.asarray(score(params, pair_batch(chunk, self.config.seq_len)))
-      refs.append(np.stack([logps_2B[:rows], logps_2B[rows:]], axis=1)[:n])
-    refs = np.concatenate(refs).astype(np.float32)
+          refs = cached["refs"]
+    # Computing is collective: all processes do it unless every one has the file.
+    if multihost_utils.process_allgather(np.asarray(refs is not None)).all():
+      return refs
+    refs = self.reference_table(plan, pairs)
     if jax.process_index() == 0:
       os.makedirs(self.workdir, exist_ok=True)
       tmp = path + ".tmp.npz"
       np.savez(tmp, refs=refs, fingerprint=np.asarray(fingerprint))
       os.replace(tmp, path)
     return refs
+
+  def reference_table(self, plan, pairs) -> np.ndarray:
+    """refs_N2 float32: the starting model's (chosen, rejected) log-probs of every pair,
+    computed on the run's mesh as the training step computes: params by the layout, rows
+    over the batch axes. Every process passes the same rows and gets every result."""
+    mesh, layout = plan.mesh, plan.layout
+    params = self.place(self.initial_params(plan), mesh, layout)  # the start: the reference
+    rows_sh = batch_sharding(mesh)
+    score = jax.jit(functools.partial(forward_logps, self.graphdef),
+                    in_shardings=(jax.tree.map(lambda x: x.sharding, params), None),
+                    out_shardings=NamedSharding(mesh, PartitionSpec()))  # read by all
+    rows = int(self.config.batch_size)
+    refs = []
+    with (parallel.axis_rules(layout.rules), jax.set_mesh(mesh),
+          parallel.pipeline_schedule(plan.pipeline)):
+      for i in range(0, len(pairs), rows):
+        chunk = list(pairs[i:i + rows])
+        n = len(chunk)
+        chunk += [chunk[-1]] * (rows - n)  # one compiled shape
+        batch = {k: jax.make_array_from_callback(v.shape, field_sharding(rows_sh, v.ndim),
+                                                 lambda index, v=v: v[index])
+                 for k, v in pair_batch(chunk, self.config.seq_len).items()}
+        logps_2B = np.asarray(score(params, batch))
+        refs.append(np.stack([logps_2B[:rows], logps_2B[rows:]], axis=1)[:n])
+    return np.concatenate(refs).astype(np.float32)
 
   # --- loss and metrics ---
 

@@ -1,10 +1,11 @@
 """GRPO on the shared loop: G completions per prompt, group-normalised advantages, no critic.
 
-Each loop step (`prepare`, then the jitted update, align/rollout.py):
-  1. batch_size // G prompts, each sampled G times (consecutive rows, seeds per row)
+Each loop step (`prepare`, then the jitted update, align/onpolicy.py):
+  1. batch_size // G prompts, each sampled G times (consecutive rows, seeds per global row;
+     each process samples its share of the prompts, whole groups)
   2. scores (align/rewards.py) -> A_b = (r_b - mean_group) / (std_group + eps), one
-     advantage per completion (align/rl.grpo_advantages)
-  3. old logps (and, with beta > 0, the reference's) of every completion token
+     advantage per completion (align/rl.grpo_advantages), per group on its own process
+  3. old logps (and, with beta > 0, the reference's) of every completion token, on the mesh
   4. epochs x minibatches updates of align/rl.grpo_loss: the clipped surrogate per token
      + beta * k3 KL to the reference (beta = 0: no reference is kept or run)
 A group whose G scores are equal has advantage 0: it contributes nothing but the KL term.
@@ -19,8 +20,9 @@ import numpy as np
 
 from align import rl
 from align.logprobs import response_mask
-from align.rollout import OnPolicyTask
+from align.onpolicy import OnPolicyTask
 from models import ConfigError
+from train.task import to_global
 
 
 class GRPOTask(OnPolicyTask):
@@ -56,13 +58,13 @@ class GRPOTask(OnPolicyTask):
 
   def experience(self, trainable, frozen, rollout, scores_B, step):
     if self._old is None:
-      self._old = jax.jit(self.old_logps)
-    scores_BG = scores_B.reshape(-1, self.group)
+      self._old = self.jit_on_mesh(self.old_logps, self.field_sharding(2))
+    scores_BG = scores_B.reshape(-1, self.group)  # this process's groups, each whole
     advantages_B = np.asarray(rl.grpo_advantages(scores_BG), np.float32).reshape(-1)
     std_B = np.repeat(scores_BG.std(axis=1, ddof=1), self.group).astype(np.float32)
-    fields = jax.device_get(self._old(trainable, frozen, rollout.batch))
-    return {**rollout.batch, **fields, "advantages": advantages_B, "scores": scores_B,
-            "group_std": std_B}
+    batch = to_global(rollout.batch, self.batch_sh)
+    return {**batch, **self._old(trainable, frozen, batch), "advantages": advantages_B,
+            "scores": scores_B, "group_std": std_B}
 
   def loss(self, trainable, frozen, batch):
     g = self.rl

@@ -1,11 +1,13 @@
 """PPO (RLHF) on the shared loop: sample, score, a KL-penalised reward, GAE, clipped updates.
 
-Each loop step (`prepare`, then the jitted update, align/rollout.py):
-  1. sample one completion per prompt from the current policy (temperature, max_new_tokens)
+Each loop step (`prepare`, then the jitted update, align/onpolicy.py):
+  1. sample one completion per prompt from the current policy (temperature, max_new_tokens;
+     each process its share of the prompts)
   2. score it: align/rewards.py (a programmatic reward or a reward-model workdir)
-  3. old logps, reference logps and values (V_old) of every completion token, with
+  3. on the mesh, over the global batch: old logps, reference logps and values (V_old) of
+     every completion token, with
        rewards_BT = -kl_coef * KL_t (k1 or k3, align.ppo.kl_estimator) + score at the last token
-     then GAE (gamma, lam) -> advantages (whitened over the batch) and returns
+     then GAE (gamma, lam) -> advantages (whitened over the global batch) and returns
   4. epochs x minibatches optimizer updates on
        loss = clipped policy loss + vf_coef * clipped value loss - entropy_coef * entropy
 
@@ -17,7 +19,8 @@ LM (train/checkpoint.restore_params restores the LM's keys only) and a LoRA run'
 export leaves it out.
 
 KL controller: align.ppo.kl_target = 0 keeps kl_coef fixed; > 0 adapts it each step
-(AdaptiveKLController, Ziegler et al.) from the rollout's mean sequence KL. The coefficient
+(AdaptiveKLController, Ziegler et al.) from the rollout's mean sequence KL (over the
+global batch: every process holds the same coefficient). The coefficient
 each step uses is written to WORKDIR/kl_controller.jsonl ({"step", "kl_coef"}), and a resumed
 (or rolled-back) run reads the value for its step there, so the schedule resumes exactly.
 
@@ -37,8 +40,10 @@ from flax import nnx
 from align import rl
 from align.heads import ScalarHead
 from align.logprobs import response_mask
-from align.rollout import VALUE, OnPolicyTask, completion_logps, policy_forward
+from align.onpolicy import VALUE, OnPolicyTask
+from align.rollout import completion_logps, policy_forward
 from models import ConfigError
+from train.task import to_global
 
 KL_LEDGER = "kl_controller.jsonl"
 
@@ -111,30 +116,34 @@ class PPOTask(OnPolicyTask):
 
   # --- rollout -> training fields ---
 
-  def advantages(self, trainable, frozen, batch, scores_B, kl_coef):
-    """The rollout's training fields (jitted): old logps and values, advantages, returns."""
+  def advantages(self, trainable, frozen, batch, kl_coef):
+    """The rollout's training fields over the global batch (jitted on the mesh): old logps
+    and values, advantages, returns; and the mean sequence KL, for the controller."""
     p = self.rl
     mask_BT = response_mask(batch)
     logps_BT, values_BT, _ = self.forward(trainable, frozen, batch, mask_BT)
     ref_logps_BT = self.logps(self.ref_params(frozen), batch, mask_BT)
     kl_BT = rl.kl_penalty(logps_BT, ref_logps_BT, p.kl_estimator) * mask_BT
-    rewards_BT = rl.per_token_rewards(scores_B, kl_BT, mask_BT, kl_coef)
+    rewards_BT = rl.per_token_rewards(batch["scores"], kl_BT, mask_BT, kl_coef)
     advantages_BT, returns_BT = rl.gae(rewards_BT, values_BT, mask_BT, p.gamma, p.lam)
-    if p.whiten_advantages:
+    if p.whiten_advantages:  # mean and variance over every process's tokens
       advantages_BT = rl.whiten(advantages_BT, mask_BT)
-    return {"old_logps": logps_BT, "old_values": values_BT, "advantages": advantages_BT,
-            "returns": returns_BT, "seq_kl": jnp.sum(kl_BT, axis=-1)}
+    seq_kl_B = jnp.sum(kl_BT, axis=-1)
+    return ({"old_logps": logps_BT, "old_values": values_BT, "advantages": advantages_BT,
+             "returns": returns_BT, "seq_kl": seq_kl_B}, jnp.mean(seq_kl_B))
 
   def experience(self, trainable, frozen, rollout, scores_B, step):
     if self._experience is None:
-      self._experience = jax.jit(self.advantages)
+      tokens, rows = self.field_sharding(2), self.field_sharding(1)
+      fields = {"old_logps": tokens, "old_values": tokens, "advantages": tokens,
+                "returns": tokens, "seq_kl": rows}
+      self._experience = self.jit_on_mesh(self.advantages, (fields, self.field_sharding(0)),
+                                          args=2)
     kl_coef = self.kl_coef(step)
-    fields = jax.device_get(self._experience(trainable, frozen, rollout.batch, scores_B,
-                                   np.float32(kl_coef)))
-    self.update_kl(step, float(np.mean(fields["seq_kl"])))
-    rows = len(scores_B)
-    return {**rollout.batch, **fields, "scores": scores_B,
-            "kl_coef": np.full(rows, kl_coef, np.float32)}
+    batch = to_global({**rollout.batch, "scores": scores_B}, self.batch_sh)
+    fields, mean_kl = self._experience(trainable, frozen, batch, np.float32(kl_coef))
+    self.update_kl(step, float(mean_kl))
+    return {**batch, **fields, "kl_coef": np.full(len(scores_B), kl_coef, np.float32)}
 
   # --- the update ---
 

@@ -92,7 +92,8 @@ def gae(rewards_BT, values_BT, mask_BT, gamma: float = 1.0, lam: float = 0.95):
 
 def whiten(x_BT, mask_BT, shift_mean: bool = True, eps: float = 1e-8):
   """(x − mean)/sqrt(var + eps) over masked positions (TRL's masked_whiten: unbiased
-  variance); shift_mean=False adds the mean back. Masked positions become 0."""
+  variance); shift_mean=False adds the mean back. Masked positions become 0. The statistics
+  are over all of x_BT: jitted over a global batch (align/ppo.py), every process's rows."""
   _check_shapes(x_BT=x_BT, mask_BT=mask_BT)
   x_BT, mask_BT = _f32(x_BT), _f32(mask_BT)
   n = jnp.sum(mask_BT)

@@ -1,5 +1,5 @@
-"""On-policy data: prompts -> completions sampled from the current policy -> training rows,
-and OnPolicyTask, what PPO (align/ppo.py) and GRPO (align/grpo.py) share.
+"""On-policy data: prompts -> completions sampled from the current policy -> training rows
+(align/onpolicy.py's OnPolicyTask, what PPO and GRPO share, runs them each step).
 
 Prompts (`align.{ppo,grpo}.prompts`), at most seq_len - max_new_tokens tokens each:
   chat   align/data.py records (hh-rlhf pairs, prompt/chosen/rejected, messages, {"prompt"}):
@@ -8,22 +8,22 @@ Prompts (`align.{ppo,grpo}.prompts`), at most seq_len - max_new_tokens tokens ea
          go first (align.drop_turns), then the prompt is skipped
   text   train/data.py documents (data.text_key of .jsonl; .txt split on data.doc_separator,
          "\n": a prompt a line), encoded raw and cut to fit
-`prepare` samples completions into align/data.py's [B, T] layout, loss_mask 1 exactly on
-the completion's targets (EOS included), on one inference Engine (infer/engine.py) whose
+A step's prompts are one global batch; each process takes a contiguous share of its rows
+(prompt_dataset), so global row r is the same prompt whatever the process count.
+`sample_rollout` samples completions into align/data.py's [B, T] layout, loss_mask 1 exactly
+on the completion's targets (EOS included), on one inference Engine (infer/engine.py) whose
 state is swapped for the current params: its jitted prefill/decode take params as an
-argument, so they compile once per shape, never per step. Row r of step s samples with its
-own seed, a hash of (config.seed, s, r): a resumed run samples what an uninterrupted one would.
+argument, so they compile once per shape, never per step. Global row r of step s samples
+with its own seed, a hash of (config.seed, s, r) (row_seeds): a resumed run samples what an
+uninterrupted one would, and a run on many processes what a run on one would.
 """
 
 import dataclasses
-import functools
 
 import grain
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from ml_collections import ConfigDict
 
 from align import datasets as ds_lib
 from align.data import (
@@ -36,16 +36,11 @@ from align.data import (
   place_example,
   sft_from_record,
 )
-from align.logprobs import response_mask, token_logps
-from align.rewards import make_scorer
-from align.tasks import AlignTask
+from align.logprobs import token_logps
 from infer.engine import Engine
 from infer.sampling import SamplingParams
-from models import ConfigError
 from models.registry import model_inputs
 from train import data as data_lib
-from train import step as step_lib
-from train.optimizer import make_optimizer
 
 PROMPT_FORMATS = ("chat", "text")
 TRAIN, EVAL = 0, 1  # seed namespaces: training rollouts, evaluation rollouts
@@ -120,24 +115,37 @@ def _prompt_row(ids, length: int) -> dict:
 
 def prompt_dataset(prompts, *, batch_size: int, max_prompt_len: int, split: str, seed: int,
                    process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-  """Batches of {"prompt_ids" int32 [batch_size, max_prompt_len], "prompt_len" [batch_size]}:
-  train endless and shuffled, validation one pass padded with empty (length 0) prompts."""
-  empty = np.zeros(0, np.int32)
+  """This process's rows of global batches of `batch_size` prompts: {"prompt_ids" int32
+  [batch_size / process_count, max_prompt_len], "prompt_len" [batch_size / process_count]},
+  rows [i * b, (i + 1) * b) of the global batch on process i. Train endless and shuffled,
+  validation one pass padded with empty (length 0) prompts."""
+  if batch_size % process_count:
+    raise ValueError(f"prompt_dataset: {batch_size} prompts a batch do not split over "
+                     f"{process_count} processes")
+  prompts = list(prompts)
   if split == "validation":
-    ds = ds_lib.padded_shard(list(prompts), empty, batch_size, process_index, process_count)
+    prompts += [np.zeros(0, np.int32)] * (-len(prompts) % batch_size)
+    ds = grain.MapDataset.source(prompts)
   elif not prompts:
     raise ValueError("prompt_dataset: no training prompts")
   else:
-    ds = grain.MapDataset.source(list(prompts)).shuffle(seed=seed).repeat()
-    ds = ds[process_index::process_count]
-  ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len))
-  return ds.batch(batch_size, drop_remainder=True).to_iter_dataset(ds_lib.IN_MEMORY_READ)
+    ds = grain.MapDataset.source(prompts).shuffle(seed=seed).repeat()
+  b = batch_size // process_count
+  # Every process batches the global stream and keeps its slice: cheap (prompt ids only),
+  # and the global batch is the one-process batch, row for row.
+  ds = ds.map(lambda ids: _prompt_row(ids, max_prompt_len)).batch(batch_size,
+                                                                   drop_remainder=True)
+  ds = ds.map(lambda rows: {k: v[process_index * b:(process_index + 1) * b]
+                            for k, v in rows.items()})
+  return ds.to_iter_dataset(ds_lib.IN_MEMORY_READ)
 
 
-def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN) -> list[int]:
-  """A uint32 sampling seed per row, a hash of (seed, namespace, step, row)."""
+def row_seeds(seed: int, step: int, rows: int, namespace: int = TRAIN,
+              start: int = 0) -> list[int]:
+  """A uint32 sampling seed for each of global rows start ... start + rows - 1, a hash of
+  (seed, namespace, step, row)."""
   return [int(np.random.SeedSequence([seed, namespace, step, r]).generate_state(1)[0])
-          for r in range(rows)]
+          for r in range(start, start + rows)]
 
 
 class Sampler:
@@ -221,189 +229,3 @@ def policy_forward(model, batch, temperature: float):
 def completion_logps(logits_BTV, batch, mask_BT):
   """token_logps_BT of the targets, exactly 0 off the completion."""
   return jnp.where(mask_BT > 0, token_logps(logits_BTV, batch["targets"]), 0.0)
-
-
-# --- The task PPO and GRPO share ---
-
-VALUE = "value_head"  # PPO's value head, kept beside the LM's params (align/ppo.py)
-
-
-def lm_only(params):
-  """`params` without a value head: the LM's own params (what Engine, the reference and an
-  exported model take)."""
-  if VALUE not in params:
-    return params
-  return nnx.State({k: v for k, v in dict(params).items() if k != VALUE})
-
-
-def update_step(state, batch, frozen, *, loss_fn, tx, schedule, epochs: int, minibatches: int,
-                seed: int, inject_nan: bool = False):
-  """epochs x minibatches optimizer updates on one rollout batch, as one loop step: each
-  epoch visits the rows in a fresh order (from (seed, step): resume is exact) split into
-  `minibatches` equal parts. The state's step advances by 1; the optimizer's own count by
-  epochs x minibatches (the task's optimizer schedule is stretched to match). Metrics: the
-  mean over the updates (`skipped`: the max)."""
-  rows = next(iter(batch.values())).shape[0]
-  key = jax.random.fold_in(jax.random.key(seed), state["step"])
-  # [epochs * minibatches, rows / minibatches]: the rows of each update, in order
-  order = jnp.stack([jax.random.permutation(jax.random.fold_in(key, e), rows)
-                     for e in range(epochs)]).reshape(epochs * minibatches, -1)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-  def one(st, idx):
-    mb = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
-    (loss, aux), grads = grad_fn(st["params"], frozen, mb)
-    st, m = step_lib.apply_gradients(st, grads, loss, tx=tx, schedule=schedule,
-                                     inject_nan=inject_nan)
-    return st, {**aux, **m}
-
-  new, per_update = jax.lax.scan(one, state, order)
-  metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), per_update)
-  metrics["skipped"] = jnp.max(per_update["skipped"])
-  metrics["lr"] = schedule(state["step"] * epochs * minibatches)
-  return dict(new, step=state["step"] + 1), metrics
-
-
-class OnPolicyTask(AlignTask):
-  """Prompt data, rollouts in `prepare`, several updates a step, evaluation by sampling.
-  Subclasses set `section` (config.align.<section>), write `experience` and `loss`.
-
-  The reference (`uses_reference`): the frozen base under LoRA, else a frozen copy of the
-  starting LM. Evaluation samples one completion per validation prompt (fixed seeds) and
-  reports val_reward, val_length (tokens), val_kl (summed log pi - log pi_ref).
-  """
-
-  pairs = False
-  section = ""
-
-  def __init__(self, config, workdir):
-    super().__init__(config, workdir)
-    self.rl = self.align[self.section]
-    self.group = self.group_size()
-    new, rows = int(self.rl.max_new_tokens), int(config.batch_size)
-    if not 0 < new < config.seq_len:
-      raise ConfigError(f"align.{self.section}.max_new_tokens={new} must be in "
-                        f"[1, seq_len={config.seq_len})")
-    if jax.process_count() > 1:
-      raise ConfigError(f"meshlm {self.name}: rollouts run in one process only")
-    self.epochs, self.minibatches = int(self.rl.epochs), int(self.rl.minibatches)
-    self.updates = self.epochs * self.minibatches
-    if self.epochs < 1 or self.minibatches < 1 or rows % self.minibatches or rows % self.group:
-      raise ConfigError(f"batch_size={rows} must split into align.{self.section}.minibatches="
-                        f"{self.minibatches} (and groups of {self.group}); epochs >= 1")
-    if self.updates > 1 and config.grad_accum != 1:
-      raise ConfigError("several updates a step (epochs x minibatches > 1) need grad_accum=1")
-    self.max_prompt_len = config.seq_len - new
-    self.temperature = float(self.rl.temperature)
-
-  def group_size(self) -> int:
-    return 1
-
-  @property
-  def uses_reference(self) -> bool:
-    return True
-
-  # --- data ---
-
-  def datasets(self, plan) -> dict:
-    c = self.config
-    self.tokenizer = plan.tokenizer
-    self.scorer = make_scorer(self.rl.reward, plan.tokenizer)
-    data_cfg = {**self.data_cfg(), "text_key": c.data.text_key,
-                "doc_separator": c.data.doc_separator}
-    out = {}
-    for split in data_lib.SPLITS:
-      prompts, report = load_prompt_split(data_cfg, plan.tokenizer, split, self.max_prompt_len,
-                                          self.rl.prompts)
-      ds_lib.write_report(self.workdir, split, report)
-      print(f"meshlm {self.name}: {split} prompts {report.as_dict()}", flush=True)
-      if split == "train" or report.total:
-        report.check(self.align.max_skipped_fraction)
-      out[split] = prompt_dataset(prompts, batch_size=c.batch_size // self.group,
-                                  max_prompt_len=self.max_prompt_len, split=split, seed=c.seed)
-    return out
-
-  # --- params ---
-
-  def make_optimizer(self, config):
-    if self.updates == 1:
-      return super().make_optimizer(config)
-    # several updates a step: the schedule counts optimizer updates, so stretch it to match
-    opt = ConfigDict(config.optimizer.to_dict())
-    opt.warmup_steps = int(opt.warmup_steps) * self.updates
-    return make_optimizer(opt, config.steps * self.updates)
-
-  def init_state(self, plan, tx, mesh, layout):
-    out = super().init_state(plan, tx, mesh, layout)
-    self.sampler = Sampler(self.graphdef, plan.tokenizer, self.config.seq_len,
-                           self.config.batch_size)
-    self._lm_params = jax.jit(self.policy_params)
-    self._eval_kl = None
-    return out
-
-  def policy_params(self, trainable, frozen):
-    return lm_only(super().policy_params(trainable, frozen))
-
-  def more_frozen(self, plan, params, mesh, layout):
-    if self.rank or not self.uses_reference:
-      return {}
-    return {"ref": jax.tree.map(jnp.copy, lm_only(params))}  # full fine-tuning: the start
-
-  def ref_params(self, frozen):
-    return lm_only(frozen["model"]) if self.rank else frozen["ref"]
-
-  def logps(self, lm_params, batch, mask_BT):
-    """token logps_BT of the sampled distribution under the LM `lm_params`."""
-    _, logits_BTV = policy_forward(nnx.merge(self.graphdef, lm_params), batch, self.temperature)
-    return completion_logps(logits_BTV, batch, mask_BT)
-
-  # --- steps ---
-
-  def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
-    if self.updates == 1:  # one update a rollout: the shared objective step (grad_accum too)
-      return super().step_fn(tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan)
-    step = functools.partial(update_step, loss_fn=self.loss, tx=tx, schedule=schedule,
-                             epochs=self.epochs, minibatches=self.minibatches,
-                             seed=self.config.seed, inject_nan=inject_nan)
-    return jax.jit(step, in_shardings=(shardings, None, frozen_shardings),
-                   out_shardings=(shardings, None), donate_argnums=0)
-
-  def rollout(self, trainable, frozen, prompt_batch, seeds, repeat: int = 1) -> Rollout:
-    return sample_rollout(self.sampler, self._lm_params(trainable, frozen), prompt_batch, seeds,
-                          seq_len=self.config.seq_len, temperature=self.temperature,
-                          max_new_tokens=int(self.rl.max_new_tokens), repeat=repeat)
-
-  def prepare(self, state, frozen, batch, step: int) -> dict:
-    """The step's batch: completions sampled from the current policy, scored, with the
-    subclass's training fields."""
-    trainable = state["params"]
-    rows = self.config.batch_size
-    rollout = self.rollout(trainable, frozen, batch, row_seeds(self.config.seed, step, rows),
-                           repeat=self.group)
-    scores_B = np.asarray(self.scorer(rollout), np.float32)
-    return self.experience(trainable, frozen, rollout, scores_B, step)
-
-  def experience(self, trainable, frozen, rollout: Rollout, scores_B, step: int) -> dict:
-    raise NotImplementedError
-
-  def evaluate(self, params, frozen, batches, batch_sh) -> dict:
-    if self._eval_kl is None:
-      def kl_B(trainable, frozen, batch):
-        mask_BT = response_mask(batch)
-        return jnp.sum(self.logps(self.policy_params(trainable, frozen), batch, mask_BT) -
-                       self.logps(self.ref_params(frozen), batch, mask_BT), axis=-1)
-      self._eval_kl = jax.jit(kl_B)
-    totals, n = {"reward": 0.0, "length": 0.0, "kl": 0.0}, 0.0
-    for i, batch in enumerate(batches):
-      rows = len(batch["prompt_len"])
-      rollout = self.rollout(params, frozen, batch, row_seeds(self.config.seed, i, rows, EVAL))
-      valid_B = rollout.valid_B
-      totals["reward"] += float(np.sum(valid_B * self.scorer(rollout)))
-      totals["length"] += float(np.sum(valid_B * rollout.batch["loss_mask"].sum(-1)))
-      if self.uses_reference:
-        totals["kl"] += float(np.sum(valid_B * jax.device_get(
-            self._eval_kl(params, frozen, rollout.batch))))
-      n += float(np.sum(valid_B))
-    out = {f"val_{k}": v / max(n, 1.0) for k, v in totals.items()
-           if k != "kl" or self.uses_reference}
-    return {**out, "val_count": n}

@@ -153,6 +153,7 @@ class AlignTask:
     # Params by the layout's rules, optimizer state by its opt_rules (ZeRO-1), as pretraining.
     shardings = state_shardings(jax.eval_shape(assemble, trainable), mesh, layout)
     state = jax.jit(assemble, out_shardings=shardings)(trainable)
+    self.param_shardings = shardings["params"]
     self.frozen_shardings = jax.tree.map(lambda x: x.sharding, frozen)
     self.mesh = mesh
     self._eval = None
@@ -210,8 +211,9 @@ class AlignTask:
     raise NotImplementedError
 
   def evaluate(self, params, frozen, batches, batch_sh) -> dict:
-    if self._eval is None:
-      self._eval = jax.jit(self.eval_sums)
+    if self._eval is None:  # the batch as to_global lays it out; sums replicated
+      self._eval = jax.jit(self.eval_sums, in_shardings=(self.param_shardings,
+                                                         self.frozen_shardings, None))
     totals = {}
     for batch in batches:
       sums = jax.device_get(self._eval(params, frozen, to_global(batch, batch_sh)))

@@ -1,6 +1,6 @@
 """Maps logical axis names onto device meshes. Model code never names a mesh axis."""
 
-from parallel.mesh import MESH_AXES, make_mesh, resolve_axis_sizes
+from parallel.mesh import MESH_AXES, make_mesh, process_mesh, resolve_axis_sizes, to_process_mesh
 from parallel.rules import (ACTIVATION_AXES, BATCH_AXES, LOGICAL_AXES, PARAM_AXES,
                             STRATEGIES, Layout, axis_rules, constrain, current_rules, get_layout,
                             get_rules, logical_shardings, logical_to_spec, shards_of)

@@ -1,10 +1,20 @@
-"""Builds a device mesh from per-axis sizes."""
+"""Builds a device mesh from per-axis sizes; and this process's part of a mesh, for work each
+process does on its own rows alone (sampling its share of a step's rollouts,
+align/rollout.py), where the run's mesh would make every process take part in every
+computation:
+
+  local = process_mesh(mesh)          the sub-mesh of this process's devices (same axis names)
+  tree = to_process_mesh(tree, local) global arrays on `mesh` -> the same values on `local`
+
+With one process both return their input unchanged.
+"""
 
 import math
 from typing import Mapping
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
 
@@ -37,3 +47,51 @@ def make_mesh(sizes: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
   shape = tuple(resolved[a] for a in MESH_AXES)
   return jax.sharding.Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
                            axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def process_mesh(mesh: Mesh) -> Mesh:
+  """The devices of `mesh` this process holds, as a mesh with the same axis names (an axis
+  that crosses processes keeps only this process's part of it). Raises ValueError where they
+  are not one box of the mesh (make_mesh lays processes out along the leading axes)."""
+  if jax.process_count() == 1:
+    return mesh
+  mine_ND = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+  box = tuple(slice(int(i.min()), int(i.max()) + 1) for i in np.nonzero(mine_ND))
+  devices = mesh.devices[box]
+  if devices.size != int(mine_ND.sum()):
+    raise ValueError(f"process {jax.process_index()}'s devices are not a box of the mesh "
+                     f"{dict(mesh.shape)}: order the devices by process")
+  return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _without(spec: PartitionSpec, axes: set) -> PartitionSpec:
+  """`spec` with the mesh axes `axes` removed (those dimensions replicated over them)."""
+  def keep(entry):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept = tuple(a for a in names if a not in axes)
+    return kept[0] if len(kept) == 1 else (kept or None)
+  return PartitionSpec(*(keep(e) for e in spec))
+
+
+def to_process_mesh(tree, local: Mesh):
+  """A tree of global arrays (NamedShardings on one mesh) as arrays on `local`, the same
+  values: each is first replicated over the mesh axes that cross processes (one resharding
+  collective; nothing moves where no such axis splits it), then this process's shards are
+  wrapped as an array of `local` without a copy. Every process must call it together."""
+  if jax.process_count() == 1:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  for x in leaves:
+    if not isinstance(x.sharding, NamedSharding):
+      raise ValueError(f"to_process_mesh needs NamedSharding arrays, got {x.sharding}")
+  specs = []
+  for x in leaves:
+    mesh = x.sharding.mesh
+    crossing = {a for a in mesh.axis_names if local.shape[a] < mesh.shape[a]}
+    specs.append(_without(x.sharding.spec, crossing))
+  leaves = jax.device_put(leaves, [NamedSharding(x.sharding.mesh, s)
+                                   for x, s in zip(leaves, specs)])
+  out = [jax.make_array_from_single_device_arrays(
+      x.shape, NamedSharding(local, s), [shard.data for shard in x.addressable_shards])
+         for x, s in zip(leaves, specs)]
+  return jax.tree.unflatten(treedef, out)

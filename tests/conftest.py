@@ -144,6 +144,20 @@ LAYOUTS = [
 EXPERT_LAYOUTS = [spec for spec in LAYOUTS if "expert" in spec.split(":")[0].split("+")]
 
 
+def finish_all(procs: list, timeout: float = 600) -> list[str]:
+  """The outputs of processes a test started (stdout piped, text), once each has exited 0;
+  any still running after `timeout`, or when one fails, is killed."""
+  try:
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-4000:]
+  return outs
+
+
 def run_worker(name, *args, timeout=900, env=None):
   """Runs tests/workers/NAME in its own process (8 fake devices by default)."""
   out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", name), *args],

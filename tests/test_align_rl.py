@@ -3,6 +3,7 @@ deterministic per seed, masked to the completion, without recompiling per step; 
 runs of a tiny model; group-normalised advantages; an update that improves its objective;
 exact resume with an adaptive KL coefficient; a reward-model workdir as the reward."""
 
+import itertools
 import json
 import os
 
@@ -17,7 +18,7 @@ from align.grpo import GRPOTask
 from align.ppo import KL_LEDGER, PPOTask
 from align.reward import RewardTask
 from align.rewards import make_scorer, reward_fn
-from align.rollout import Rollout, row_seeds
+from align.rollout import Rollout, prompt_dataset, row_seeds
 from conftest import build_once
 from test_align_tasks import REPO, metrics, tiny
 from train.loop import train
@@ -78,6 +79,31 @@ def test_programmatic_rewards():
       reward_fn(bad)
   rollout = Rollout({}, ["p", "q"], ["eee", "xyz"], ["stop", "length"])
   np.testing.assert_allclose(make_scorer("letter:e")(rollout), [1.0, 0.0])
+
+
+def test_prompt_rows_and_seeds_follow_the_global_row_whatever_the_process_count():
+  """Process i's prompts are rows [i*b, (i+1)*b) of the one-process batch (validation padded
+  alike), and their seeds those of their global rows: 2 processes sample what 1 does."""
+  prompts = [np.arange(1, n + 1, dtype=np.int32) for n in range(1, 12)]
+  for split in ("train", "validation"):
+    def batches(index, count):
+      ds = prompt_dataset(prompts, batch_size=4, max_prompt_len=16, split=split, seed=3,
+                          process_index=index, process_count=count)
+      return list(itertools.islice(iter(ds), 4))
+    whole, parts = batches(0, 1), [batches(i, 2) for i in range(2)]
+    # train endless; validation one pass, 11 prompts padded to 3 batches of 4
+    assert len(whole) == len(parts[0]) == len(parts[1]) == (4 if split == "train" else 3)
+    for j, batch in enumerate(whole):
+      assert parts[0][j]["prompt_ids"].shape == (2, 16)
+      for k, v in batch.items():
+        np.testing.assert_array_equal(np.concatenate([parts[0][j][k], parts[1][j][k]]), v)
+    if split == "validation":  # one pass in order, the last row an empty padding prompt
+      assert whole[0]["prompt_len"].tolist() == [1, 2, 3, 4]
+      assert whole[-1]["prompt_len"].tolist() == [9, 10, 11, 0]
+  assert row_seeds(7, 2, 3, start=3) == row_seeds(7, 2, 6)[3:]
+  with pytest.raises(ValueError, match="split"):
+    prompt_dataset(prompts, batch_size=3, max_prompt_len=16, split="train", seed=3,
+                   process_index=0, process_count=2)
 
 
 def test_rollouts_are_deterministic_masked_and_reuse_compiled_code(rm_workdir, tmp_path):

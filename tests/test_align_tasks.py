@@ -99,6 +99,48 @@ def test_dpo_cached_reference_matches_online(sft_workdir, tmp_path):
   np.testing.assert_allclose(losses["cached"], losses["online"], rtol=1e-5)
 
 
+def test_dpo_cached_reference_on_a_mesh_matches_one_device(sft_workdir, tmp_path):
+  """The cached reference computed on the run's mesh (8 fake devices: data=2 x fsdp=4) holds
+  every pair's log-probs as one device computes them, and trains to the losses of the
+  online reference on that mesh."""
+  import subprocess
+  import sys
+
+  from conftest import device_env, finish_all
+  from align.data import pair_batch
+  from align.datasets import load_pair_split
+  from align.logprobs import sequence_logps
+  from train.workdir import load_trained
+  config = tiny(init_from=sft_workdir)
+  run = ["--config.data.path=" + SLICE, "--config.data.val_fraction=0.2", "--config.steps=3",
+         "--config.batch_size=8", f"--config.seq_len={config.seq_len}", "--config.log_every=1",
+         "--config.eval_every=3", "--config.eval_batches=2", "--config.checkpoint_every=3",
+         "--config.init_from=" + sft_workdir, "--config.watchdog.min_seconds=1e6",
+         "--config.optimizer.warmup_steps=0", "--config.sharding=fsdp", "--config.mesh.data=2", "--config.mesh.fsdp=4"]
+  procs = {ref: subprocess.Popen(
+      [sys.executable, "-m", "cli.main", "dpo", "--config",
+       os.path.join(REPO, "experiments", "hh_tiny.py"), "--workdir", str(tmp_path / ref), *run,
+       f"--config.align.dpo.reference={ref}"], env=device_env(8), cwd=REPO, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for ref in ("online", "cached")}
+  for out in finish_all(list(procs.values())):
+    assert "8 device(s) in 1 process(es)" in out, out[-2000:]
+  with np.load(str(tmp_path / "cached" / "ref_logps_train.npz")) as cached:
+    refs_N2 = cached["refs"]
+  model, tokenizer, _ = load_trained(sft_workdir)
+  pairs, _ = load_pair_split(DPOTask(config, str(tmp_path / "unused")).data_cfg(), tokenizer,
+                             "train")
+  rows = {k: jnp.asarray(v) for k, v in pair_batch(pairs, config.seq_len).items()}
+  logps_2N = np.asarray(sequence_logps(model, rows))  # one device, no mesh
+  assert refs_N2.shape == (len(pairs), 2)
+  np.testing.assert_allclose(refs_N2, np.stack(np.split(logps_2N, 2), axis=1), rtol=1e-5)
+  online, cached = metrics(str(tmp_path / "online")), metrics(str(tmp_path / "cached"))
+  assert len(online) == len(cached) == 3
+  for key in ("loss", "rewards/margins", "val_loss"):
+    np.testing.assert_allclose([r[key] for r in cached if key in r],
+                               [r[key] for r in online if key in r], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+
+
 def test_dpo_reference_gets_no_gradient(sft_workdir, tmp_path):
   """Full fine-tuning keeps the starting params as a frozen reference: d loss / d ref = 0."""
   import parallel

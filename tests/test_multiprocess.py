@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, device_env
+from conftest import REPO, device_env, finish_all
 from parallel.distributed import detect
 
 # Sleeps, timeouts and killed processes: run alone, after the parallel part (README).
@@ -48,22 +48,13 @@ def _losses(workdir):
 def test_two_processes_match_one_process(tmp_path):
   """2 processes x 4 CPU devices (gloo) train to the losses of 1 process x 8 devices."""
   single = str(tmp_path / "single")
-  proc = _launch(single, 8)
-  out = proc.communicate(timeout=600)[0]
-  assert proc.returncode == 0, out[-4000:]
+  finish_all([_launch(single, 8)])
 
   multi = str(tmp_path / "multi")
   port = _free_port()
-  procs = [_launch(multi, 4, ["--coordinator_address", f"127.0.0.1:{port}",
-                              "--num_processes", "2", "--process_id", str(i)])
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, o in zip(procs, outs):
-    assert p.returncode == 0, o[-4000:]
+  outs = finish_all([_launch(multi, 4, ["--coordinator_address", f"127.0.0.1:{port}",
+                                        "--num_processes", "2", "--process_id", str(i)])
+                     for i in range(2)])
   assert "8 device(s) in 2 process(es)" in outs[0], outs[0][-2000:]
   assert "meshlm:" not in outs[1]  # only process 0 reports
   a, b = _losses(single), _losses(multi)

@@ -14,8 +14,9 @@ watchdog, metrics); a Task supplies
                                  reference model, a teacher, a LoRA's base weights), or None
   step_fn(...)                   jitted step(state, batch, frozen) -> (state, metrics)
   evaluate(params, frozen, batches, batch_sharding) -> {"val_...": float}
-  prepare(state, frozen, batch, step) (optional) -> batch: host-side work on each batch
-                                 before the step, with the current state (PPO/GRPO rollouts);
+  prepare(state, frozen, batch, step) (optional) -> batch: work on each batch before the
+                                 step, with the current state (PPO/GRPO rollouts): this
+                                 process's rows, and fields already global (to_global);
                                  deterministic in (state, batch, step) so resume is exact
   finish(state, frozen, step, plan) (optional): after the last step (a LoRA run's export)
   eval_model(state, frozen) (optional): the generating model at `state`, for an evaluation
@@ -39,13 +40,20 @@ from train.optimizer import make_optimizer
 from train.state import create_train_state
 
 
+def field_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
+  """A batch field of rank `ndim`: the first ndim entries of the batch spec (a [B] field
+  shards like the rows of a [B, T] one)."""
+  return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[:ndim]))
+
+
 def to_global(batch, sharding: NamedSharding):
-  """Process-local numpy rows -> global arrays; a field of rank r takes the first r entries
-  of the batch spec (a [B] field shards like the rows of a [B, T] one)."""
+  """Process-local numpy rows -> global arrays laid out by field_sharding. A field that is
+  already a global array so laid out (a task's `prepare` computed it on the mesh) is kept."""
   def one(v):
+    if isinstance(v, jax.Array) and v.sharding == field_sharding(sharding, v.ndim):
+      return v
     v = np.asarray(v)
-    spec = PartitionSpec(*tuple(sharding.spec)[:v.ndim])
-    return jax.make_array_from_process_local_data(NamedSharding(sharding.mesh, spec), v)
+    return jax.make_array_from_process_local_data(field_sharding(sharding, v.ndim), v)
   return {k: one(v) for k, v in batch.items()}
 
 
