@@ -279,22 +279,25 @@ def test_the_default_asset_name_keeps_dots_inside_the_file_name():
   assert stem("rows.json") == "rows"
 
 
-def test_committed_hh_asset_is_what_the_command_writes(tmp_path):
-  """data/hh-rlhf/helpful-base-test-decontam/v1 equals a fresh `meshlm data decontam` of the
-  raw file: the same 144 rows dropped (all AlpacaEval), the same content; AlpacaEval's
-  helpful_base subset stays whole in the evaluation set."""
+@pytest.mark.parametrize("name,rows,dropped", [("helpful-base-test", 2354, 144),
+                                               ("helpful-rejection-sampled-test", 2749, 61)])
+def test_committed_hh_asset_is_what_the_command_writes(tmp_path, name, rows, dropped):
+  """data/hh-rlhf/NAME-decontam/v1 equals a fresh `meshlm data decontam` of the raw file: the
+  same rows dropped (all AlpacaEval), the same content; AlpacaEval's helpful_base subset stays
+  whole in the evaluation set."""
   from cli.data import main as data_main
-  committed = assets.read_manifest(HH_CLEAN)
-  data_main(["decontam", HH, str(tmp_path)])
-  fresh = assets.read_manifest(str(tmp_path / "helpful-base-test-decontam"))
+  raw = os.path.join(REPO, "data", "hh-rlhf", f"{name}.jsonl.gz")
+  committed = assets.read_manifest(os.path.join(REPO, "data", "hh-rlhf", f"{name}-decontam", "v1"))
+  data_main(["decontam", raw, str(tmp_path)])
+  fresh = assets.read_manifest(str(tmp_path / f"{name}-decontam"))
   assert fresh["content_sha256"] == committed["content_sha256"]
   strip = lambda d: {**d, "against": [{k: v for k, v in a.items() if k != "path"}
                                       for a in d["against"]]}
   assert strip(fresh["decontaminated"]) == strip(committed["decontaminated"])
   d = committed["decontaminated"]
-  assert (d["source_rows"], d["dropped"], d["dropped_by_set"]) == (2354, 144,
-                                                                  {"alpaca-eval": 144})
-  assert committed["lineage"]["source"]["sha256"] == _sha(HH)
+  assert (d["source_rows"], d["dropped"], d["dropped_by_set"]) == (rows, dropped,
+                                                                  {"alpaca-eval": dropped})
+  assert committed["lineage"]["source"]["sha256"] == _sha(raw)
   with open(os.path.join(REPO, "data", "alpaca-eval", "text_davinci_003_model_outputs.json")) as f:
     alpaca = json.load(f)
   assert len(alpaca) == 805 and sum(r["dataset"] == "helpful_base" for r in alpaca) == 129
