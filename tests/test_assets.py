@@ -52,6 +52,16 @@ def test_versions_latest_and_asset_ref(tmp_path):
   assert assets.command_line()  # this process's command, never empty
 
 
+def test_command_line_names_meshlm_and_no_host_path(monkeypatch, tmp_path):
+  main_py = os.path.join(str(tmp_path), "repo", "cli", "main.py")
+  for argv0 in ("/usr/local/bin/meshlm", main_py):
+    monkeypatch.setattr(sys, "argv", [argv0, "data", "decontam", "a b.jsonl", "out"])
+    assert assets.command_line() == "meshlm data decontam 'a b.jsonl' out"
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "argv", [str(tmp_path / "tools" / "make.py"), "--n", "3"])
+  assert assets.command_line().endswith(" tools/make.py --n 3")
+
+
 def test_parquet_roundtrip(tmp_path):
   deps.require("pyarrow")
   vdir = assets.write_asset(str(tmp_path), "pq", ROWS, kind="pairs", lineage={}, fmt="parquet")

@@ -25,6 +25,8 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
+from train.report_paths import portable_path
+
 SCHEMA_VERSION = 1
 FORMATS = {"jsonl": "data.jsonl", "parquet": "data.parquet"}
 MANIFEST = "manifest.json"
@@ -66,12 +68,15 @@ def asset_ref(path: str) -> dict:
 
 
 def command_line() -> str:
-  """The command that is creating an asset, e.g. "meshlm pairs --config experiments/x.py"."""
-  prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-  if prog != "meshlm":
-    prog = f"{os.path.basename(sys.executable or 'python')} {sys.argv[0] if sys.argv else ''}"
-    return (prog.strip() + " " + shlex.join(sys.argv[1:])).strip()
-  return ("meshlm " + shlex.join(sys.argv[1:])).strip()
+  """The command that is creating an asset, e.g. "meshlm pairs --config experiments/x.py";
+  `python -m cli.main ...` is the same meshlm command, and any other script is named by a
+  portable path (a manifest is committed: no host path in it)."""
+  argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+  parts = os.path.normpath(argv0).split(os.sep)
+  if os.path.basename(argv0) == "meshlm" or parts[-2:] == ["cli", "main.py"]:
+    return ("meshlm " + shlex.join(sys.argv[1:])).strip()
+  prog = f"{os.path.basename(sys.executable or 'python')} {portable_path(argv0) if argv0 else ''}"
+  return (prog.strip() + " " + shlex.join(sys.argv[1:])).strip()
 
 
 # --- Rows and columns ---
