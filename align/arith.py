@@ -15,7 +15,8 @@ problem (`answer_of_prompt`).
 
 Split: a problem text is held out iff sha256(its UTF-8), read as an integer, % 10 == 0,
 whatever seed made it, so no problem text can be in both splits (or in any train file this
-module writes). The prompt record is {"prompt": problem + "\\n" + INSTRUCTION, "answer": int}.
+module writes). The equations are not split: at a small difficulty the held-out problems
+reuse training equations in new wording (docs/alignment.md). The prompt record is {"prompt": problem + "\\n" + INSTRUCTION, "answer": int}.
 
 Final answer of a completion (`final_answer`): the first number after its last "Answer:"
 (case-insensitive), else its last number; "1,200" reads as 1200, "6.0" as 6.
@@ -204,7 +205,7 @@ def answer_of_prompt(prompt_text: str) -> int:
   raise ValueError(f"no arithmetic problem in the prompt {prompt_text[-200:]!r}")
 
 
-NUMBER = re.compile(r"(?<!\d)-?\d+(?:,\d{3})*(?:\.\d+)?")
+NUMBER = re.compile(r"(?<!\d)-?\d+(?:,\d{3}(?!\d))*(?:\.\d+)?")
 ANSWER_TAG = re.compile(r"answer\s*:", re.IGNORECASE)
 
 

@@ -31,7 +31,7 @@ from models import ConfigError
 from train import data as data_lib
 from train import step as step_lib
 from train.optimizer import make_optimizer
-from train.task import batch_sharding, field_sharding, to_global
+from train.task import batch_sharding, field_sharding
 
 VALUE = "value_head"  # PPO's value head, kept beside the LM's params (align/ppo.py)
 

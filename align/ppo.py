@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from align import rl
 from align.heads import ScalarHead
@@ -101,7 +102,8 @@ class PPOTask(OnPolicyTask):
             entry = json.loads(line)
             if entry["step"] == step:
               value = entry["kl_coef"]  # the last entry wins: a rollback's replay rewrites
-      self.kl_ctl.value = value
+      # every process must use the same coefficient, and only process 0 writes the ledger
+      self.kl_ctl.value = float(multihost_utils.broadcast_one_to_all(np.float64(value)))
     self._kl_step = step
     return self.kl_ctl.value
 

@@ -15,7 +15,8 @@ on the completion's targets (EOS included), on one inference Engine (infer/engin
 state is swapped for the current params: its jitted prefill/decode take params as an
 argument, so they compile once per shape, never per step. Global row r of step s samples
 with its own seed, a hash of (config.seed, s, r) (row_seeds): a resumed run samples what an
-uninterrupted one would, and a run on many processes what a run on one would.
+uninterrupted one would, and a run on many processes the same prompts with the same seeds as
+a run on one (the same tokens on CPU; elsewhere up to the layout's floating-point differences).
 """
 
 import dataclasses

@@ -142,6 +142,8 @@ def test_the_answer_of_a_prompt_is_its_last_problem():
     ("12 + 5 = 17 apples.\nAnswer: 17", 17),
     ("Answer: 17. That is 12 + 5.", 17),  # the first number after the last tag
     ("answer:  1,200 apples", 1200),
+    ("Answer: 12, so 1,2345 is wrong", 12),  # a comma group is exactly 3 digits
+    ("Answer: 1,2345", 1),
     ("So Tom has 12 - 3 = 9", 9),  # no tag: the last number
     ("The answer is 9.0", 9),
     ("Answer: 4\nWait. Answer: -2", -2),

@@ -48,10 +48,12 @@ def field_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
 
 def to_global(batch, sharding: NamedSharding):
   """Process-local numpy rows -> global arrays laid out by field_sharding. A field that is
-  already a global array so laid out (a task's `prepare` computed it on the mesh) is kept."""
+  already a global array (a task's `prepare` computed it on the mesh) is kept, or resharded
+  on the devices when its layout differs: never gathered through the host."""
   def one(v):
-    if isinstance(v, jax.Array) and v.sharding == field_sharding(sharding, v.ndim):
-      return v
+    if isinstance(v, jax.Array):
+      target = field_sharding(sharding, v.ndim)
+      return v if v.sharding == target else jax.device_put(v, target)
     v = np.asarray(v)
     return jax.make_array_from_process_local_data(field_sharding(sharding, v.ndim), v)
   return {k: one(v) for k, v in batch.items()}

@@ -27,8 +27,6 @@ ARITH_HELDOUT = os.path.join(_REPO, "data", "arith", "heldout.jsonl")
 ARITH_REWARD = "arith"
 
 
-
-
 def gpt3(c: ConfigDict, d_model: int, num_layers: int, num_heads: int) -> None:
   """A GPT-3 shape (Brown et al. 2020, Table 2.1) in meshlm's blocks: pre-LayerNorm with
   biases, a GELU MLP of 4·d_model, learned positions over a 2,048-token context, tied
