@@ -1,7 +1,7 @@
 """Arithmetic word problems with exact answers: a verifiable reward for GRPO and PPO.
 
     python -m align.arith --out data/arith --seed 0 --train 2000 --heldout 300 \\
-        --steps 1 --max-operand 10 --ops +-     (data/arith: see its PROVENANCE.md)
+        --steps 1 --max-operand 20 --ops +-     (data/arith: see its PROVENANCE.md)
 
 A problem is one line of sentences: a start ("Tom has 12 apples."), `steps` operations
 ("He buys 5 more apples.", "Then he gives 3 apples to Ann.", ...) and a question. Operations:
@@ -13,10 +13,11 @@ Every sentence comes from the fixed templates below, so `parse_problem` recovers
 from the text alone: the reward needs no side table and scores any prompt that holds a
 problem (`answer_of_prompt`).
 
-Split: a problem text is held out iff sha256(its UTF-8), read as an integer, % 10 == 0,
-whatever seed made it, so no problem text can be in both splits (or in any train file this
-module writes). The equations are not split: at a small difficulty the held-out problems
-reuse training equations in new wording (docs/alignment.md). The prompt record is {"prompt": problem + "\\n" + INSTRUCTION, "answer": int}.
+Split, by equation: a problem is held out iff sha256 of its equation (`Problem.equation`, the
+start and each operation with its numbers, left to right: "7+5", "12-3+2*4/3"), read as an integer,
+% HELDOUT_MODULUS == 0, whatever seed or wording made it. No equation is in both splits, so
+held-out accuracy measures sums never trained on, not new phrasings of known ones. The
+prompt record is {"prompt": problem + "\\n" + INSTRUCTION, "answer": int, "equation": str}.
 
 Final answer of a completion (`final_answer`): the first number after its last "Answer:"
 (case-insensitive), else its last number; "1,200" reads as 1200, "6.0" as 6.
@@ -33,7 +34,7 @@ import sys
 from fractions import Fraction
 
 INSTRUCTION = 'Solve the problem. End your reply with "Answer: " followed by the number.'
-HELDOUT_MODULUS = 10  # held out: sha256(problem) % HELDOUT_MODULUS == 0
+HELDOUT_MODULUS = 5  # held out: sha256(equation) % HELDOUT_MODULUS == 0
 FACTORS = (2, 3, 4, 5)  # k of the "*" and "/" operations
 OPS = "+-*/"
 
@@ -65,9 +66,9 @@ SHARE_QUESTIONS = ("How many {item} does each friend get?", "How many {item} are
 
 @dataclasses.dataclass(frozen=True)
 class Difficulty:
-  """The defaults are data/arith's: SmolLM2-135M-Instruct starts at about a third right."""
+  """The defaults are data/arith's: SmolLM2-135M-Instruct starts at about a fifth right."""
   steps: int = 1         # operations after the start
-  max_operand: int = 10  # n (and the start) from 2..max_operand
+  max_operand: int = 20  # n (and the start) from 2..max_operand
   ops: str = "+-"        # a subset of OPS
 
   def __post_init__(self):
@@ -82,10 +83,12 @@ class Difficulty:
 class Problem:
   text: str
   answer: int
-  ops: str  # the operations, in order
+  ops: str       # the operations, in order
+  equation: str  # the start, then each operation with its numbers: "7+5", "9-2+3*4/2"
 
   def record(self) -> dict:
-    return {"prompt": f"{self.text}\n{INSTRUCTION}", "answer": self.answer}
+    return {"prompt": f"{self.text}\n{INSTRUCTION}", "answer": self.answer,
+            "equation": self.equation}
 
 
 def render(template: str, **slots) -> str:
@@ -108,7 +111,7 @@ def make_problem(rng: random.Random, d: Difficulty) -> Problem | None:
   value = rng.randint(2, d.max_operand)
   words = dict(name=name, he=he, him=him, item=item, friend=friend)
   sentences = [render(rng.choice(START), n=value, **words)]
-  op, ops = None, ""
+  op, ops, equation = None, "", str(value)
   for i in range(d.steps):
     op = _choose_op(rng, d, value, last=i == d.steps - 1)
     if op is None:
@@ -116,6 +119,7 @@ def make_problem(rng: random.Random, d: Difficulty) -> Problem | None:
     k = rng.choice([f for f in FACTORS if op != "/" or (value % f == 0 and value >= f)])
     n = rng.randint(2, min(value, d.max_operand) if op == "-" else d.max_operand)
     ops += op
+    equation += {"+": f"+{n}", "-": f"-{n}", "*": f"+{k}*{n}", "/": f"/{k}"}[op]
     value = {"+": value + n, "-": value - n, "*": value + k * n, "/": value // k}[op]
     connector = rng.choice(CONNECTORS) if i else ""
     template = rng.choice(STEPS[op])
@@ -125,7 +129,7 @@ def make_problem(rng: random.Random, d: Difficulty) -> Problem | None:
   else:  # "have left?" only where something went away
     question = rng.choice(QUESTIONS if "-" in ops else QUESTIONS[:2])
   sentences.append(render(question, **words))
-  return Problem(" ".join(sentences), value, ops)
+  return Problem(" ".join(sentences), value, ops, equation)
 
 
 # --- Parsing: the answer from the problem text alone ---
@@ -220,14 +224,16 @@ def final_answer(completion: str) -> Fraction | None:
 # --- Splits and files ---
 
 
-def is_heldout(text: str) -> bool:
-  return int(hashlib.sha256(text.encode("utf-8")).hexdigest(), 16) % HELDOUT_MODULUS == 0
+def is_heldout(equation: str) -> bool:
+  """Whether problems of `equation` (Problem.equation) belong to the held-out split."""
+  return int(hashlib.sha256(equation.encode("utf-8")).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
 def make_splits(seed: int, d: Difficulty, train: int, heldout: int
                 ) -> tuple[list[Problem], list[Problem]]:
-  """`train` and `heldout` distinct problems drawn from `seed`, each in the split its hash
-  names; ValueError if the difficulty has too few distinct problems to fill them."""
+  """`train` and `heldout` distinct problems drawn from `seed`, each in the split its
+  equation's hash names; ValueError if the difficulty has too few distinct problems to fill
+  them."""
   rng, seen = random.Random(seed), set()
   out = {True: [], False: []}
   want = {True: heldout, False: train}
@@ -238,7 +244,7 @@ def make_splits(seed: int, d: Difficulty, train: int, heldout: int
     if p is None or p.text in seen:
       continue
     seen.add(p.text)
-    split = is_heldout(p.text)
+    split = is_heldout(p.equation)
     if len(out[split]) < want[split]:
       out[split].append(p)
   raise ValueError(f"{d} gave only {len(out[False])} train and {len(out[True])} held-out "

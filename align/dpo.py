@@ -30,7 +30,7 @@ from align.data import pair_batch
 from align.datasets import join_pairs, pair_valid
 from align.logprobs import forward_logps, response_lengths, sequence_logps, split_pairs
 from align.preference import dpo_loss
-from align.tasks import AlignTask, pair_sums
+from align.tasks import AlignTask, pair_sums, wilson_interval
 from models import ConfigError
 from train.task import batch_sharding, field_sharding
 
@@ -159,3 +159,9 @@ class DPOTask(AlignTask):
                 # implicit reward is 0 for every pair).
                 "policy/prefers_chosen": c_B > r_B}
     return pair_sums(per_pair, pair_valid(batch))
+
+  def finish_eval(self, out, n):
+    """Adds the 95% Wilson interval of the held-out implicit-reward accuracy over n pairs."""
+    low, high = wilson_interval(out["val_rewards/accuracies"] * n, n)
+    out["val_rewards/accuracies_ci_low"], out["val_rewards/accuracies_ci_high"] = low, high
+    return out

@@ -87,15 +87,30 @@ def test_bad_difficulties_are_refused():
     with pytest.raises(ValueError):
       arith.Difficulty(**bad)
   with pytest.raises(ValueError, match="distinct problems"):
-    arith.make_splits(0, arith.Difficulty(steps=1, max_operand=2, ops="-"), 0, 3000)
+    arith.make_splits(0, arith.Difficulty(steps=1, max_operand=2, ops="-"), 10, 10)  # 1 equation
 
 
-def test_splits_follow_the_hash_rule_and_share_no_text():
+def test_splits_follow_the_hash_rule_and_share_no_equation():
   train, heldout = arith.make_splits(3, EVERY_OP, 400, 60)
-  assert not {p.text for p in train} & {p.text for p in heldout}
+  assert not {p.equation for p in train} & {p.equation for p in heldout}
   assert len({p.text for p in train}) == 400 and len({p.text for p in heldout}) == 60
-  assert all(arith.is_heldout(p.text) for p in heldout)
-  assert not any(arith.is_heldout(p.text) for p in train)
+  assert all(arith.is_heldout(p.equation) for p in heldout)
+  assert not any(arith.is_heldout(p.equation) for p in train)
+
+
+def test_the_equation_names_the_problems_numbers_in_order():
+  rng = random.Random(5)
+  for _ in range(200):
+    p = arith.make_problem(rng, EVERY_OP)
+    if p is None:
+      continue
+    value = None  # evaluate the key left to right: "+k*n" adds k*n
+    for m in re.finditer(r"([+\-/]?)(\d+)(?:\*(\d+))?", p.equation):
+      sign, a, b = m.group(1), int(m.group(2)), m.group(3)
+      term = a * int(b) if b else a
+      value = term if value is None else {"+": value + term, "-": value - term,
+                                          "/": value // a}[sign]
+    assert value == p.answer == arith.parse_problem(p.text), p
 
 
 def provenance_argv() -> list[str]:
@@ -119,11 +134,12 @@ def test_the_bundled_files_regenerate_byte_for_byte(tmp_path):
 def test_the_bundled_files():
   train, heldout = (read_jsonl(os.path.join(DATA, f"{s}.jsonl")) for s in ("train", "heldout"))
   assert len(heldout) >= 200 and len(train) >= 1000
-  assert not {r["prompt"] for r in train} & {r["prompt"] for r in heldout}
+  assert not {r["equation"] for r in train} & {r["equation"] for r in heldout}
+  assert len({r["equation"] for r in heldout}) >= 50  # many sums, not wordings of a few
   for records, held in ((train, False), (heldout, True)):
     for r in records:
       problem, instruction = r["prompt"].split("\n")
-      assert instruction == arith.INSTRUCTION and arith.is_heldout(problem) == held
+      assert instruction == arith.INSTRUCTION and arith.is_heldout(r["equation"]) == held
       assert arith.parse_problem(problem) == r["answer"]
 
 
@@ -194,7 +210,21 @@ def test_the_baseline_benchmark_emits_its_json(capsys):
   assert arith_baseline.main(["--limit", "4", "--max-new-tokens", "8", "--batch-size", "4"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert out["n"] == 4 and out["accuracy"] == out["correct"] / 4
-  assert out["difficulty"] == {"steps": 1, "max_operand": 10, "ops": "+-"}
+  assert out["difficulty"] == {"steps": 1, "max_operand": 20, "ops": "+-"}
   assert out["data"] == "data/arith/heldout.jsonl" and 0 < out["mean_completion_tokens"] <= 8
   low, high = out["wilson95"]
   assert 0 <= low <= out["accuracy"] <= high <= 1
+
+
+def test_the_paired_difference_resamples_equations():
+  before = [{"equation": e, "reward": r} for e, r in
+            [("2+3", 0.0), ("2+3", 1.0), ("4-2", 0.0), ("5+5", 1.0), ("6-3", 0.0)]]
+  after = [dict(row, reward=r) for row, r in zip(before, [1.0, 1.0, 1.0, 0.0, 1.0])]
+  out = arith_baseline.paired_difference(before, after, "before.json")
+  assert out["difference"] == pytest.approx(2 / 5) and out["equations"] == 4
+  assert (out["gained"], out["lost"], out["both_right"], out["baseline_accuracy"]) == \
+      (3, 1, 1, 2 / 5)
+  low, high = out["paired95"]
+  assert low <= out["difference"] <= high and low < high
+  with pytest.raises(SystemExit, match="other problems"):
+    arith_baseline.paired_difference(before, after[:4], "before.json")

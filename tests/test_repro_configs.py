@@ -16,6 +16,7 @@ from align.dpo import DPOTask
 from align.grpo import GRPOTask
 from align.ppo import PPOTask
 from align.reward import RewardTask
+from benchmarks import repro_report, rm_winrate
 from cli.train import make_task
 from experiments.repro import common
 from train.data import is_validation, resolve_paths
@@ -146,7 +147,8 @@ def test_rm_two_steps(rm_workdir):
 def test_dpo_two_steps(tmp_path):
   last = run("dpo", "smollm2", tmp_path)
   assert {"rewards/margins", "val_rewards/accuracies"} <= set(last)
-  assert os.path.isdir(tmp_path / "dpo" / "merged")  # LoRA: base + adapters written at the end
+  assert last["val_rewards/accuracies_ci_low"] <= last["val_rewards/accuracies"] <= \
+      last["val_rewards/accuracies_ci_high"]
 
 
 @pytest.mark.parametrize("method", ["ppo", "grpo"])
@@ -166,3 +168,45 @@ def test_ppo_scored_by_the_reward_model(rm_workdir, tmp_path):
   assert [e["step"] for e in ledger] == [1, 2]
   np.testing.assert_allclose([e["kl_coef"] for e in ledger],
                              [0.02 * (1 - 0.2 * 4 / 1e4) ** n for n in (1, 2)], rtol=1e-6)
+
+
+def test_rm_winrate_judges_a_policy_against_its_start(rm_workdir, tmp_path, capsys):
+  """benchmarks/rm_winrate: two tiny DPO policies that share the judge's tokenizer, one as
+  the starting model; each prompt's verdict is read from the judge's two scores."""
+  for seed in (0, 1):
+    os.makedirs(tmp_path / f"seed{seed}")
+    run("dpo", "smollm2", tmp_path / f"seed{seed}", seed=seed, **{"tokenizer.path": rm_workdir})
+  argv = ["--policy", str(tmp_path / "seed1" / "dpo"), "--base", str(tmp_path / "seed0" / "dpo"),
+          "--judge", rm_workdir, "--data", SLICE, "--val-fraction", "0.5", "--limit", "6",
+          "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--batch-size", "4"]
+  capsys.readouterr()  # the training runs' output
+  assert rm_winrate.main(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["n"] == 6 == out["wins"] + out["ties"] + out["losses"] == len(out["per_prompt"])
+  for row in out["per_prompt"]:
+    assert row["win"] == 0.5 or row["win"] == float(row["policy"] > row["base"]), row
+  assert out["win_rate"] == sum(r["win"] for r in out["per_prompt"]) / 6
+  low, high = out["bootstrap95"]
+  assert low <= out["win_rate"] <= high
+  with pytest.raises(SystemExit, match="does not exist"):
+    rm_winrate.main(argv[:1] + [str(tmp_path / "nowhere")] + argv[2:])
+
+
+def test_repro_report_records_a_finished_run(rm_workdir, tmp_path, capsys):
+  """benchmarks/repro_report: the committed JSON of a run holds its held-out accuracy with
+  the interval, its curve and wall time; a config that does not match the run is refused."""
+  argv = ["--config", "experiments/repro/rm.py:smollm2", "--workdir", rm_workdir,
+          "--set", "steps=2", "--set", "batch_size=4", "--set", "seq_len=256",
+          "--out", str(tmp_path / "rm.json"), "--plot", str(tmp_path / "rm.png")]
+  assert repro_report.main(argv) == 0
+  with open(tmp_path / "rm.json") as f:
+    out = json.load(f)
+  with open(os.path.join(rm_workdir, "metrics.jsonl")) as f:
+    last = [json.loads(line) for line in f][-1]
+  assert out["held_out"]["val_accuracy"] == last["val_accuracy"]
+  assert out["held_out"]["ci95"] == [last["val_accuracy_ci_low"], last["val_accuracy_ci_high"]]
+  assert out["token_slots"] == 2 * 4 * 2 * 256 and out["wall_seconds"] > 0
+  assert out["command"].endswith("--config.steps=2 --config.batch_size=4 --config.seq_len=256")
+  assert os.path.getsize(tmp_path / "rm.png") > 0
+  with pytest.raises(SystemExit, match="not at its config's 276"):
+    repro_report.main(argv[:4] + argv[10:])
