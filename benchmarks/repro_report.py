@@ -11,7 +11,8 @@ batch, sequence length: the token slots a run processed, padding included). `--e
 embeds the JSON of a separate held-out evaluation of the run (benchmarks/arith_baseline.py,
 benchmarks/rm_winrate.py) under NAME. `--set KEY=VALUE` repeats a `--config.KEY=VALUE` the
 run was given (a Python literal; a bare word is a string). The plot: the training loss and the method's
-headline training metric by step, with the held-out metric at each evaluation.
+headline training metric by step (each log and a moving average of SMOOTH logs), with the
+held-out metric at each evaluation.
 """
 
 import argparse
@@ -33,6 +34,7 @@ HEADLINES = {
   "ppo": ("reward", "val_reward", None, 1),
 }
 
+SMOOTH = 8  # logs in the plot's moving average
 CURVE = ("kl", "val_kl", "zero_std_groups", "completion_length", "val_length")  # where logged
 
 
@@ -90,6 +92,12 @@ def summarize(config, method: str, workdir: str, command: str, evals: dict) -> d
     "data": data, "evaluations": evals}
 
 
+def moving_average(values, window: int) -> list[float]:
+  """The mean of each value and up to window - 1 before it: the logs of a small batch are noisy."""
+  return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+          for i in range(len(values))]
+
+
 def plot(summary: dict, path: str) -> None:
   import matplotlib  # a plot only where asked for
 
@@ -100,10 +108,12 @@ def plot(summary: dict, path: str) -> None:
   curve = summary["curve"]
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
   for ax, key in zip(axes, ("loss", train_key)):
-    pts = [(r["step"], r[key]) for r in curve if key in r]
-    ax.plot(*zip(*pts), marker=".", label=f"train {key}")
+    steps, values = zip(*[(r["step"], r[key]) for r in curve if key in r])
+    ax.plot(steps, values, ".", alpha=0.35, label=f"train {key} (each log)")
+    ax.plot(steps, moving_average(values, SMOOTH), label=f"mean of {SMOOTH} logs")
     ax.set_xlabel("step")
     ax.set_title(key)
+    ax.legend(fontsize=8)
   held = [(r["step"], r[val_key]) for r in curve if val_key in r]
   axes[1].plot(*zip(*held), "o", color="C3", label=f"held-out {val_key}")
   axes[1].legend(fontsize=8)

@@ -122,8 +122,8 @@ def main(argv=None) -> int:
                        "base": rb.text, "policy_score": sp, "base_score": sb}
                       for p, rp, rb, sp, sb in list(zip(prompts, policy_results, base_results,
                                                         s_policy, s_base))[:3]],
-         "per_prompt": [{"policy": round(sp, 4), "base": round(sb, 4), "win": w}
-                        for sp, sb, w in zip(s_policy, s_base, wins)]}
+         "per_prompt": [{"policy": sp, "base": sb, "same": eq, "win": w}
+                        for sp, sb, eq, w in zip(s_policy, s_base, same, wins)]}
   print(json.dumps(scrub_paths(out), indent=1))  # data_report quotes file paths
   return 0
 

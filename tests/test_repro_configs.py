@@ -184,7 +184,7 @@ def test_rm_winrate_judges_a_policy_against_its_start(rm_workdir, tmp_path, caps
   out = json.loads(capsys.readouterr().out)
   assert out["n"] == 6 == out["wins"] + out["ties"] + out["losses"] == len(out["per_prompt"])
   for row in out["per_prompt"]:
-    assert row["win"] == 0.5 or row["win"] == float(row["policy"] > row["base"]), row
+    assert row["win"] == (0.5 if row["same"] else float(row["policy"] > row["base"])), row
   assert out["win_rate"] == sum(r["win"] for r in out["per_prompt"]) / 6
   low, high = out["bootstrap95"]
   assert low <= out["win_rate"] <= high
@@ -210,3 +210,8 @@ def test_repro_report_records_a_finished_run(rm_workdir, tmp_path, capsys):
   assert os.path.getsize(tmp_path / "rm.png") > 0
   with pytest.raises(SystemExit, match="not at its config's 276"):
     repro_report.main(argv[:4] + argv[10:])
+
+
+def test_the_report_plot_smooths_over_the_logs_before_each():
+  assert repro_report.moving_average([1.0, 2.0, 3.0, 6.0], 2) == [1.0, 1.5, 2.5, 4.5]
+  assert repro_report.moving_average([4.0, 0.0], 8) == [4.0, 2.0]
