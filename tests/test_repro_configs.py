@@ -16,7 +16,7 @@ from align.dpo import DPOTask
 from align.grpo import GRPOTask
 from align.ppo import PPOTask
 from align.reward import RewardTask
-from benchmarks import repro_report, rm_winrate
+from benchmarks import frontier, repro_report, rm_winrate
 from cli.train import make_task
 from experiments.repro import common
 from train.data import is_validation, resolve_paths
@@ -157,26 +157,41 @@ def test_on_policy_two_steps(method, tmp_path):
   assert {"reward", "clipfrac", "val_reward"} <= set(last)
 
 
-def test_ppo_scored_by_the_reward_model(rm_workdir, tmp_path):
+@pytest.fixture(scope="module")
+def dpo_base(rm_workdir, tmp_path_factory):
+  """dpo.py:smollm2 for two steps from scratch with the reward model's tokenizer: a starting
+  model for the runs the benchmarks below compare."""
+  tmp = tmp_path_factory.mktemp("repro_base")
+  run("dpo", "smollm2", tmp, seed=0, **{"tokenizer.path": rm_workdir})
+  return str(tmp / "dpo")
+
+
+@pytest.fixture(scope="module")
+def ppo_rm_workdir(rm_workdir, dpo_base, tmp_path_factory):
+  """ppo.py:smollm2_rm (LoRA) from `dpo_base` for two steps, scored by rm:WORKDIR, a
+  checkpoint each step."""
+  tmp = tmp_path_factory.mktemp("repro_ppo_rm")
+  run("ppo", "smollm2_rm", tmp, init_from=dpo_base, checkpoint_every=1,
+      **{"align.ppo.reward": "rm:" + rm_workdir})
+  return tmp / "ppo"
+
+
+def test_ppo_scored_by_the_reward_model(ppo_rm_workdir):
   """ppo.py:smollm2_rm: hh-rlhf prompts scored by rm:WORKDIR (the policy shares its tokenizer);
   its KL coefficient adapts each step: a KL far below the target lowers it by 0.2·4/10,000
   (err clipped at -0.2, 4 rollouts a step, horizon 10,000)."""
-  run("ppo", "smollm2_rm", tmp_path,
-      **{"tokenizer.path": rm_workdir, "align.ppo.reward": "rm:" + rm_workdir})
-  with open(tmp_path / "ppo" / "kl_controller.jsonl") as f:
+  with open(ppo_rm_workdir / "kl_controller.jsonl") as f:
     ledger = [json.loads(line) for line in f]
   assert [e["step"] for e in ledger] == [1, 2]
   np.testing.assert_allclose([e["kl_coef"] for e in ledger],
                              [0.02 * (1 - 0.2 * 4 / 1e4) ** n for n in (1, 2)], rtol=1e-6)
 
 
-def test_rm_winrate_judges_a_policy_against_its_start(rm_workdir, tmp_path, capsys):
+def test_rm_winrate_judges_a_policy_against_its_start(rm_workdir, dpo_base, tmp_path, capsys):
   """benchmarks/rm_winrate: two tiny DPO policies that share the judge's tokenizer, one as
   the starting model; each prompt's verdict is read from the judge's two scores."""
-  for seed in (0, 1):
-    os.makedirs(tmp_path / f"seed{seed}")
-    run("dpo", "smollm2", tmp_path / f"seed{seed}", seed=seed, **{"tokenizer.path": rm_workdir})
-  argv = ["--policy", str(tmp_path / "seed1" / "dpo"), "--base", str(tmp_path / "seed0" / "dpo"),
+  run("dpo", "smollm2", tmp_path, seed=1, **{"tokenizer.path": rm_workdir})
+  argv = ["--policy", str(tmp_path / "dpo"), "--base", dpo_base,
           "--judge", rm_workdir, "--data", SLICE, "--val-fraction", "0.5", "--limit", "6",
           "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--batch-size", "4"]
   capsys.readouterr()  # the training runs' output
@@ -215,3 +230,32 @@ def test_repro_report_records_a_finished_run(rm_workdir, tmp_path, capsys):
 def test_the_report_plot_smooths_over_the_logs_before_each():
   assert repro_report.moving_average([1.0, 2.0, 3.0, 6.0], 2) == [1.0, 1.5, 2.5, 4.5]
   assert repro_report.moving_average([4.0, 0.0], 8) == [4.0, 2.0]
+
+
+def test_frontier_measures_every_checkpoint_of_a_full_and_a_lora_run(
+    rm_workdir, dpo_base, ppo_rm_workdir, tmp_path, capsys):
+  """benchmarks/frontier: DPO (full fine-tuning) and PPO (LoRA) from one tiny base, judged by
+  the tiny reward model. pi_ref's KL is exactly 0; each kept checkpoint is a point; the LoRA
+  run's adapters merged here match the merged model the run wrote."""
+  run("dpo", "smollm2", tmp_path, init_from=dpo_base, checkpoint_every=1)
+  argv = ["--dpo", str(tmp_path / "dpo"), "--ppo", str(ppo_rm_workdir), "--judge", rm_workdir,
+          "--base", dpo_base, "--data", SLICE, "--val-fraction", "0.5", "--limit", "6",
+          "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--batch-size", "4",
+          "--plot", str(tmp_path / "frontier.png")]
+  capsys.readouterr()
+  assert frontier.main(argv) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["ref"]["kl"] == 0.0 and out["prompts"] == 6
+  assert [[p["step"] for p in r["points"]] for r in out["runs"]] == [[0, 1, 2], [0, 1, 2]]
+  dpo, ppo = out["runs"]
+  assert dpo["lora_rank"] == 0 and dpo["merged_max_abs_diff"] is None
+  assert ppo["lora_rank"] == 16 and ppo["merged_max_abs_diff"] <= 1e-5
+  assert all(np.isfinite([p["reward"], p["kl"]]).all() for r in out["runs"] for p in r["points"])
+  for p in dpo["points"][1:] + ppo["points"][1:]:
+    g = p["gain"]
+    assert g["mean"] == pytest.approx(p["reward"] - out["ref"]["reward"], abs=1e-6)
+    assert g["bootstrap95"][0] <= g["mean"] <= g["bootstrap95"][1]
+  assert out["frontier"]["dominates"] in ("dpo", "ppo", "tie", "mixed")
+  assert os.path.getsize(tmp_path / "frontier.png") > 0
+  with pytest.raises(SystemExit, match="does not exist"):
+    frontier.main(argv[:1] + [str(tmp_path / "nowhere")] + argv[2:])
