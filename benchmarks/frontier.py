@@ -70,10 +70,12 @@ def checkpoint_steps(workdir: str) -> list[int]:
   return steps
 
 
-def wall_clock(workdir: str, steps: int):
-  """step -> seconds the run took to reach it: startup and compile, then training pro rata."""
+def wall_clock(workdir: str):
+  """step -> seconds the run took to reach it: startup and compile, then training pro rata
+  over the steps it ran."""
   with open(os.path.join(workdir, "goodput.json")) as f:
-    sec = json.load(f)["seconds"]
+    goodput = json.load(f)
+  sec, steps = goodput["seconds"], goodput["furthest_step"]
   return lambda k: sec["startup"] + sec["compile"] + sec["train"] * k / steps
 
 
@@ -145,7 +147,7 @@ def run_points(j: Judged, method: str, workdir: str, config) -> dict:
   else:
     name, (graphdef, abstract) = method, abstract_model(load_model_config(workdir))
     load = lambda k: restore_params(workdir, abstract, k)[0]
-  clock = wall_clock(workdir, config.steps)
+  clock = wall_clock(workdir)
   steps, points, check = checkpoint_steps(workdir), [], None
   for k in steps:
     t = time.perf_counter()
@@ -153,7 +155,8 @@ def run_points(j: Judged, method: str, workdir: str, config) -> dict:
     if rank and k == steps[-1]:
       check = merged_difference(workdir, params, k)
     points.append({"step": k, **j.evaluate(name, graphdef, params), "wall_s": clock(k)})
-    log(f"frontier: {method} step {k}: {points[-1]} ({time.perf_counter() - t:.0f}s)")
+    shown = {key: v for key, v in points[-1].items() if key != "per_prompt"}
+    log(f"frontier: {method} step {k}: {shown} ({time.perf_counter() - t:.0f}s)")
   return {"method": method, "coef": a[method].beta if method == "dpo" else a[method].kl_coef,
           "workdir": os.path.relpath(os.path.abspath(workdir), REPO), "lora_rank": rank,
           "merged_max_abs_diff": check, "points": points}
@@ -260,7 +263,7 @@ def main(argv=None) -> int:
   with contextlib.redirect_stdout(sys.stderr):  # loaders' prints; stdout is for the JSON
     j = Judged(base, args.judge, args)
     ref = {"step": 0, **j.evaluate("ref", j.graphdef, j.ref), "wall_s": 0.0}
-    log(f"frontier: pi_ref: {ref}")
+    log(f"frontier: pi_ref: reward {ref['reward']:.4f}, length {ref['length']:.1f}")
     runs = []
     for m, workdir in (("dpo", args.dpo), ("ppo", args.ppo)):
       run = run_points(j, m, workdir, configs[m][0])
