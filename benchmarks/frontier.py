@@ -172,8 +172,12 @@ def merged_difference(workdir: str, params, step: int) -> float | None:
   saved, saved_step = restore_params(merged, abstract_model(load_model_config(merged))[1])
   if saved_step != step:
     return None
-  diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(saved)))
+  ours, theirs = jax.tree.leaves(params), jax.tree.leaves(saved)
+  shapes = [np.shape(x) for x in ours], [np.shape(y) for y in theirs]
+  if shapes[0] != shapes[1]:  # zip below would silently compare a prefix
+    sys.exit(f"frontier: {workdir}: base + adapters at step {step} have {len(ours)} arrays, "
+             f"{merged} has {len(theirs)}, or their shapes differ: is --base the run's base?")
+  diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(ours, theirs))
   if diff > 1e-5:
     sys.exit(f"frontier: {workdir}: base + adapters at step {step} differ from {merged} by "
              f"{diff:.3g}: is its config (lora_alpha, lora_targets) the run's?")

@@ -7,6 +7,7 @@ import json
 import os
 
 import deps
+import jax
 import numpy as np
 import pytest
 
@@ -19,9 +20,12 @@ from align.reward import RewardTask
 from benchmarks import frontier, repro_report, rm_winrate
 from cli.train import make_task
 from experiments.repro import common
+from train.checkpoint import restore_params
 from train.data import is_validation, resolve_paths
 from train.loop import train
 from train.plan.report import plan
+from train.state import abstract_model
+from train.workdir import MERGED, load_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLICE = os.path.join(REPO, "data", "hh-rlhf", "helpful-base-test-slice.jsonl")
@@ -259,3 +263,17 @@ def test_frontier_measures_every_checkpoint_of_a_full_and_a_lora_run(
   assert os.path.getsize(tmp_path / "frontier.png") > 0
   with pytest.raises(SystemExit, match="does not exist"):
     frontier.main(argv[:1] + [str(tmp_path / "nowhere")] + argv[2:])
+
+
+def test_frontier_refuses_a_merge_that_is_not_the_runs(ppo_rm_workdir):
+  """merged_difference compares every array of the run's merged model: a tree with one array
+  fewer, or one value off, is refused rather than compared on a prefix."""
+  merged = os.path.join(ppo_rm_workdir, MERGED)
+  saved, step = restore_params(merged, abstract_model(load_model_config(merged))[1])
+  leaves = jax.tree.leaves(saved)
+  assert frontier.merged_difference(str(ppo_rm_workdir), saved, step) == 0.0
+  assert frontier.merged_difference(str(ppo_rm_workdir), saved, step + 1) is None
+  with pytest.raises(SystemExit, match="arrays"):
+    frontier.merged_difference(str(ppo_rm_workdir), leaves[:-1], step)
+  with pytest.raises(SystemExit, match="differ from"):
+    frontier.merged_difference(str(ppo_rm_workdir), [x + 1e-3 for x in leaves], step)
