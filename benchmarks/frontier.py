@@ -202,8 +202,13 @@ def table(doc: dict) -> str:
   lines += ["", f"At matched KL (0 to {f['matched_kl_max']:.2f} nats): **{f['dominates']}** "
             f"(mean DPO - PPO reward {f['mean_dpo_minus_ppo']:+.3f}, tie tolerance "
             f"{f['tolerance']:.3f}); best reward DPO {f['best_reward']['dpo']:.3f}, PPO "
-            f"{f['best_reward']['ppo']:.3f}.", "",
-            "| reward threshold | DPO wall s | PPO wall s | PPO / DPO |", "|---|---|---|---|"]
+            f"{f['best_reward']['ppo']:.3f}.", ""]
+  common = min(f["best_reward"].values())
+  if common <= ref["reward"] + f["tolerance"]:  # analyse compares no wall times then
+    lines.append(f"No time-to-reward comparison: the lower best reward ({common:.3f}) is within "
+                 f"the tie tolerance of pi_ref's ({ref['reward']:.3f}).")
+    return "\n".join(lines)
+  lines += ["| reward threshold | DPO wall s | PPO wall s | PPO / DPO |", "|---|---|---|---|"]
   sec = lambda x: "-" if x is None else f"{x:.0f}"
   for t in doc["compute_to_reward"]:
     ratio = "-" if t["ppo_over_dpo_wall_s"] is None else f"{t['ppo_over_dpo_wall_s']:.2f}x"
