@@ -11,8 +11,9 @@ under 25% padding), or over the prompts packed into one row where that is
 shorter (a decoder with a float cache), then decode steps of one token per row
 for the whole batch (below), the cache of `max_seq_len` slots per row donated from
 call to call (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
-scales, about 1/4 of the float32 bytes). A float cache of several rows is read
-only up to the power of two above the batch's longest row (`kv_cache.width_for`).
+scales, about 1/4 of the float32 bytes). A float cache read in place (several rows, or
+unrolled layers) is read only up to the power of two above the batch's longest row
+(`kv_cache.width_for`), so a cache sized to the model's whole context costs little.
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
@@ -260,9 +261,10 @@ class Engine:
           self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
           max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
-    # Not one row, even unrolled (read in place): its attention over all S slots costs little,
-    # while each width is one more compilation of the decode loop (seconds, unrolled).
-    narrow = b > 1 and self.kv_dtype != "int8"
+    # Where the cache is read in place, a step reads only the slots in use. A one-row decode
+    # over all S slots of the model's own max_seq_len (8,192) ran 5.6x slower than at 512
+    # (issue 45): worth the one compilation per power-of-two width it costs.
+    narrow = kv_cache.reads_in_place(b, self.kv_dtype == "int8", self.unroll_layers)
     stop_BO = jnp.asarray(stop_ids([r.stop_ids for r in requests], b, self.vocab_size))
 
     def advance(token_B, active_B, step):

