@@ -8,6 +8,10 @@ runs/quickstart`), each format quantizes the float32 model afresh:
 
   float32 | int8 (per channel, RTN) | int4-g128 RTN | int4-g128 GPTQ | int4-g128 AWQ
   | int4-g128 AWQ+GPTQ | the same, scales tuned (TUNE) | int4-g32 RTN
+  | int8-a8 (W8A8) RTN | int4-g128-a8 (W4A8) RTN
+
+The -a8 rows multiply in integers (int8 activations per token and group, an int32 dot);
+each records where its compiled int32 dots run (`integer_dots`).
 
 (GPTQ with act_order and clip_search, as `meshlm quantize` runs it.) --int4_kind picks
 symmetric, -asym or -zp INT4; the default is -zp, one integer zero point per group, as
@@ -29,6 +33,8 @@ Decode: infer.Engine, batch 1, greedy, ignore_eos, 64 tokens, after a warm-up ru
 compiles. Every format's engine is kept, and all are timed in interleaved rounds (at least 5,
 and as many as fill 10 s) once every format is quantized: tokens/s is a format's best round,
 and "no slower than float32" is judged on the median over rounds of the paired ratio.
+`default_cache` times the float32 model's `Engine(model, tok)`, its cache as long as the
+model's context (8,192 slots for SmolLM2), against `max_seq_len=512` in the same way.
 """
 
 import argparse
@@ -55,12 +61,15 @@ FORMATS = [("float32", None, None), ("int8", "int8", "rtn"), ("int4-g128-rtn", "
            ("int4-g128-gptq", "int4-g128", "gptq"), ("int4-g128-awq", "int4-g128", "awq"),
            ("int4-g128-awq-gptq", "int4-g128", "awq-gptq"),
            ("int4-g128-awq-gptq-tuned", "int4-g128", "awq-gptq+tune"),
-           ("int4-g32", "int4-g32", "rtn")]
+           ("int4-g32", "int4-g32", "rtn"), ("int8-a8", "int8-a8", "rtn"),
+           ("int4-g128-a8", "int4-g128-a8", "rtn")]
 CALIBRATED = ("int4-g128-gptq", "int4-g128-awq", "int4-g128-awq-gptq", "int4-g128-awq-gptq-tuned")
 # Scale tuning after AWQ + GPTQ (infer/quant/tune.py): epochs over the calibration windows.
 TUNE = {"epochs": 3, "lr": 2e-3}
 TARGETS = {"int4_g128_bytes_ratio_max": 0.16, "int8_ppl_increase_max": 0.01,
-           "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0}
+           "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0,
+           "default_cache_speed_ratio_min": 0.9, "w8a8_decode_speed_ratio_min": 1.8,
+           "int4_decode_speed_ratio_min": 2.5, "a8_int4_ppl_increase_max": 0.05}
 
 
 def chunks(ids: list[int], n: int, t: int) -> np.ndarray:
@@ -99,18 +108,49 @@ def perplexity(model, ids_NT: np.ndarray, batch: int = 8) -> float:
   return float(np.exp(total / (ids_NT.shape[0] * (ids_NT.shape[1] - 1))))
 
 
-def decode_runner(model, tokenizer, prompt_ids: list[int], new_tokens: int):
-  """One greedy request on a compiled engine: a function that runs it once and returns tokens/s."""
+def decode_runner(model, tokenizer, prompt_ids: list[int], new_tokens: int, **engine_kw):
+  """One greedy request on a compiled engine: a function that runs it once and returns tokens/s
+  (its `token_ids` attribute: the tokens). The cache fits the request unless `engine_kw` says."""
   from infer import Engine, SamplingParams
-  engine = Engine(model, tokenizer, max_seq_len=len(prompt_ids) + new_tokens, max_batch=1)
+  engine_kw.setdefault("max_seq_len", len(prompt_ids) + new_tokens)
+  engine = Engine(model, tokenizer, max_batch=1, **engine_kw)
   params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-  engine.generate(prompt_ids, params)  # compiles
 
   def run() -> float:
     start = time.perf_counter()
     out = engine.generate(prompt_ids, params)[0]
     return len(out.token_ids) / (time.perf_counter() - start)
+  run.token_ids = engine.generate(prompt_ids, params)[0].token_ids  # compiles
   return run
+
+
+def integer_dots(model) -> dict:
+  """Where the -a8 model's int32 dots run, read from its compiled one-token forward: inside
+  `__ynn_fusion`s (YNNPACK's integer kernels) or as XLA's own dot, which first converts the
+  whole weight to int32."""
+  import re
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
+  hlo = step.lower(state, jnp.zeros((1, 1), jnp.int32)).compile().as_text()
+  ynn = len(re.findall(r"= s32\[[^\n]*kind=kCustom[^\n]*__ynn_fusion", hlo))
+  total = len(re.findall(r"= s32\[[\d,]*\]\S* dot\(", hlo))
+  return {"int32_dots": total, "in_ynnpack": ynn, "xla_dots": total - ynn}
+
+
+def default_cache(model, tokenizer, prompt_ids: list[int], args) -> dict:
+  """The README's `Engine(model, tok)`, whose cache holds the model's whole context, against
+  `max_seq_len=512`: paired tokens/s over interleaved rounds, and whether the tokens match."""
+  runners = {"default": decode_runner(model, tokenizer, prompt_ids, args.new_tokens,
+                                      max_seq_len=None),
+             "512": decode_runner(model, tokenizer, prompt_ids, args.new_tokens,
+                                  max_seq_len=min(512, model.cfg.max_seq_len))}
+  speeds, rounds = decode_speeds(runners, args.decode_rounds, args.decode_min_s)
+  ratio = float(np.median(np.asarray(speeds["default"]) / np.asarray(speeds["512"])))
+  return {"max_seq_len": model.cfg.max_seq_len, "rounds": rounds,
+          "tokens_per_s": {k: max(v) for k, v in speeds.items()},
+          "speed_ratio_median_round": ratio,
+          "same_tokens": runners["default"].token_ids == runners["512"].token_ids,
+          "met": ratio >= TARGETS["default_cache_speed_ratio_min"]}
 
 
 def decode_speeds(runners: dict, rounds: int, min_seconds: float) -> tuple[dict, int]:
@@ -165,19 +205,25 @@ def run_model(name, load, texts, args) -> dict:
   calib = chunks(tokenizer.encode(calib_text, add_bos=False), args.calib_samples, args.seq_len)
   held = chunks(tokenizer.encode(eval_text, add_bos=False), args.eval_samples, args.seq_len)
   prompt = [int(t) for t in held[0, :args.prompt_len]]
-  rows, runners = {}, {}
+  rows, runners, cache_check = {}, {}, None
   for label, fmt, method in FORMATS:
     if args.formats and label not in args.formats:
       continue
     if fmt and args.int4_kind != "sym" and fmt.startswith("int4"):
-      fmt += "-" + args.int4_kind
+      base, a8 = (fmt[:-3], "-a8") if fmt.endswith("-a8") else (fmt, "")
+      fmt = f"{base}-{args.int4_kind}{a8}"
     model, tok, groups, secs = quantized(load, fmt, method, calib, args.embeddings,
                                          dict(act_order=bool(args.gptq_act_order),
                                               clip_search=bool(args.gptq_clip_search)))
     row = {"format": fmt or "float32", "method": method or "none", "groups_used": groups,
            "quantize_s": round(secs, 1), "weight_bytes": weight_bytes(model),
            "ppl": perplexity(model, held)}
+    if fmt and fmt.endswith("-a8"):
+      row["integer_dots"] = integer_dots(model)
     runners[label] = decode_runner(model, tok, prompt, args.new_tokens)
+    if fmt is None:
+      cache_check = default_cache(model, tok, prompt, args)
+      log(f"{name} Engine(model, tok) against max_seq_len=512: {cache_check}")
     log(f"{name} {label}: {row}")
     rows[label] = row
   speeds, rounds = decode_speeds(runners, args.decode_rounds, args.decode_min_s)
@@ -195,7 +241,8 @@ def run_model(name, load, texts, args) -> dict:
       row["decode_speed_ratio_median_round"] = float(np.median(
           np.asarray(speeds[label]) / np.asarray(speeds["float32"])))
   return {"calib_tokens": int(calib.size), "eval_tokens": int(held.size), "decode_rounds": rounds,
-          "formats": rows, "targets_met": _targets(rows) if base else None}
+          "formats": rows, "default_cache": cache_check,
+          "targets_met": _targets(rows) if base else None}
 
 
 def _targets(rows) -> dict:
@@ -213,6 +260,16 @@ def _targets(rows) -> dict:
     if "int4-g128-rtn" in rows:
       met.setdefault("calibrated_beats_rtn_ppl", {})[method] = (
           rows[label]["ppl"] < rows["int4-g128-rtn"]["ppl"])
+  if "int8-a8" in rows:
+    met["int8_a8_ppl"] = rows["int8-a8"]["ppl_increase"] <= TARGETS["int8_ppl_increase_max"]
+    met["w8a8_decode"] = (rows["int8-a8"]["decode_speed_ratio_median_round"]
+                          >= TARGETS["w8a8_decode_speed_ratio_min"])
+  if "int4-g128-a8" in rows:
+    met["int4_a8_ppl"] = (rows["int4-g128-a8"]["ppl_increase"]
+                          <= TARGETS["a8_int4_ppl_increase_max"])
+  int4 = [r["decode_speed_ratio_median_round"] for k, r in rows.items() if k.startswith("int4")]
+  if int4:  # W4A8 or weight-only, whichever is faster
+    met["int4_decode"] = max(int4) >= TARGETS["int4_decode_speed_ratio_min"]
   met["decode_not_slower"] = {
       k: r["decode_speed_ratio_median_round"] >= TARGETS["decode_speed_ratio_min"]
       for k, r in rows.items() if k != "float32"}

@@ -11,6 +11,7 @@ group scales toward the float model on it (infer/quant/tune.py).
 --embeddings auto (the default) keeps the embedding and LM head at INT8 under an INT4
 format, as benchmarks/quant.py does: SmolLM2's tied embedding at INT4 takes INT4-g128 RTN
 to +58.9% perplexity (docs/results.md, "Quantization"); `same` quantizes it like the rest.
+Under an -a8 format, auto's INT8 is int8-a8.
 """
 
 from absl import flags
@@ -24,7 +25,9 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   fv = flags.FlagValues()
   flags.DEFINE_string("model", None, "meshlm workdir, HF directory or .gguf file", flag_values=fv)
   flags.DEFINE_string("format", None, "int8, int8-asym, int8-zp, int4-gN, int4-gN-asym, "
-                      "int4-gN-zp (e.g. int4-g128)", flag_values=fv)
+                      "int4-gN-zp (e.g. int4-g128); a trailing -a8 (int8-a8, int4-g64-a8) "
+                      "multiplies in integers: int8 activations per token, an int32 dot",
+                      flag_values=fv)
   flags.DEFINE_enum("method", "gptq", list(METHODS),
                     "calibrated (needs --calib): gptq, awq (activation-aware scaling, then "
                     "round-to-nearest), awq-gptq (the scaling, then GPTQ); or rtn "

@@ -31,3 +31,13 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
   met = out["models"]["quickstart"]["targets_met"]
   assert set(met) >= {"int8_ppl", "calibrated_int4_ppl", "calibrated_beats_rtn_ppl"}
   assert set(met["calibrated_int4_ppl"]) == {"gptq", "awq", "awq-gptq", "awq-gptq-tuned"}
+  # Engine(model, tok) against max_seq_len=512: the same length for this 512-token model.
+  cache = out["models"]["quickstart"]["default_cache"]
+  assert cache["same_tokens"] and cache["rounds"] == 1
+  assert cache["met"] == (cache["speed_ratio_median_round"] >= quant.TARGETS[
+      "default_cache_speed_ratio_min"])
+  # The -a8 rows multiply in int32 dots (where they run is the benchmark's finding).
+  for label in ("int8-a8", "int4-g128-a8"):
+    dots = rows[label]["integer_dots"]
+    assert dots["int32_dots"] > 0 and dots["in_ynnpack"] + dots["xla_dots"] == dots["int32_dots"]
+  assert rows["int4-g128-a8"]["format"] == "int4-g128-zp-a8"

@@ -76,7 +76,8 @@ def _greedy(model, tokenizer, n=8):
 
 
 @pytest.mark.parametrize("fmt,tied", [("int8", False), ("int4-g32", False),
-                                      ("int4-g32-asym", True), ("int4-g32-zp", False)])
+                                      ("int4-g32-asym", True), ("int4-g32-zp", False),
+                                      ("int8-a8", True), ("int4-g32-zp-a8", False)])
 def test_round_trip_is_exact(tmp_path, tokenizer, fmt, tied):
   model, plan = _quantized(fmt, tied)
   out = str(tmp_path / "q")
@@ -219,13 +220,14 @@ def test_quantize_then_generate_end_to_end(tmp_path, workdir):
   assert run.stdout.strip()
 
 
-def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir):
+@pytest.mark.parametrize("fmt,emb", [("int4-g32-zp", "int8"), ("int8-a8", "same")])
+def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir, fmt, emb):
   """`meshlm serve` started on `meshlm quantize`'s output, asked over real HTTP, answers with
-  the tokens the engine gives the reloaded checkpoint."""
+  the tokens the engine gives the reloaded checkpoint (W8A8: integer matmuls throughout)."""
   from serve_util import ServeProcess
   out = str(tmp_path / "q")
-  main(["quantize", "--model", workdir, "--format", "int4-g32-zp", "--method", "rtn",
-        "--embeddings", "int8", "--out", out])
+  main(["quantize", "--model", workdir, "--format", fmt, "--method", "rtn",
+        "--embeddings", emb, "--out", out])
   model, tokenizer = load_quantized(out)
   tokens = _greedy(model, tokenizer, n=6)
   assert tokens

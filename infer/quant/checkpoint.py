@@ -49,8 +49,8 @@ def abstract_qarray(path: str, shape, fmt: QuantFormat) -> QArray:
   m = math.prod(dims) // k
   g = check_group(fmt, k, f"{path} (shape {shape})")
   rows = g // 2 if fmt.bits == 4 else g  # INT4 packs two rows per byte
-  # Codes as formats.quantize_values makes them: always unsigned.
-  codes_dtype = np.uint8
+  # Codes as formats.quantize_values makes them: unsigned, but W8A8's signed q.
+  codes_dtype = np.int8 if fmt.signed_codes else np.uint8
   sds = jax.ShapeDtypeStruct
   codes_shape, scale_shape = (k // g, rows, m), (k // g, m)
   if letters[0] not in in_letters:   # output-major storage (QArray.out_first)

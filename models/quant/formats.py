@@ -21,6 +21,11 @@ INT4 is stored as unsigned nibbles u (symmetric: q = u - 8, the GGUF Q4_0
 convention) packed two per byte. Within each group, byte j holds row j in its
 low nibble and row j + group/2 in its high nibble: the GGUF Q4 block layout,
 which also lets the matmul use the two nibble planes as two dense halves.
+
+"-a8" (W8A8, W4A8) multiplies in integers: the activations are quantized per token and
+group to int8 inside the computation, and the product is an int32 dot followed by the
+scales (QArray.einsum). Its INT8 weights are symmetric and stored as signed codes q, the
+int8 operand of that dot; INT4 nibbles are unpacked to int8 as they are multiplied.
 """
 
 import dataclasses
@@ -28,7 +33,7 @@ import re
 
 import numpy as np
 
-_NAME = re.compile(r"^int(8|4)(?:-g(\d+))?(-asym|-zp)?$")
+_NAME = re.compile(r"^int(8|4)(?:-g(\d+))?(-asym|-zp)?(-a8)?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,7 @@ class QuantFormat:
   group: int | None = None  # rows of K per scale; None: all of K (per output channel)
   symmetric: bool = True
   int_zero: bool = False    # asymmetric with an integer zero point z (offset = -z·scale)
+  act8: bool = False        # int8 activations, integer matmul (W8A8 / W4A8)
 
   def __post_init__(self):
     if self.bits not in (4, 8):
@@ -47,11 +53,20 @@ class QuantFormat:
       raise ValueError("INT4 needs a group size, e.g. int4-g128")
     if self.int_zero and self.symmetric:
       raise ValueError("an integer zero point is an asymmetric format (symmetric=False)")
+    if self.act8 and self.bits == 8 and not self.symmetric:
+      raise ValueError("W8A8 (-a8) takes symmetric INT8 weights, whose codes are the int8 "
+                       "operand of the integer dot: use int8-a8 or int8-gN-a8")
 
   @property
   def name(self) -> str:
     g = f"-g{self.group}" if self.group else ""
-    return f"int{self.bits}{g}{'' if self.symmetric else '-zp' if self.int_zero else '-asym'}"
+    kind = "" if self.symmetric else "-zp" if self.int_zero else "-asym"
+    return f"int{self.bits}{g}{kind}{'-a8' if self.act8 else ''}"
+
+  @property
+  def signed_codes(self) -> bool:
+    """Codes stored as int8 q (W8A8), not as unsigned q + 128."""
+    return self.act8 and self.bits == 8
 
   @property
   def levels(self) -> int:
@@ -63,13 +78,16 @@ class QuantFormat:
 
 
 def parse_format(name: str) -> QuantFormat:
-  """'int8', 'int8-asym', 'int4-g128', 'int4-g32-asym', 'int4-g128-zp', ... -> QuantFormat."""
+  """'int8', 'int8-asym', 'int4-g128', 'int4-g32-asym', 'int4-g128-zp', 'int8-a8', ...
+  -> QuantFormat."""
   m = _NAME.match(str(name))
   if not m:
     raise ValueError(f"unknown quantization format {name!r}; use int8[-gN][-asym|-zp] or "
-                     "int4-gN[-asym|-zp], e.g. int8, int4-g128, int4-g32-asym, int4-g128-zp")
+                     "int4-gN[-asym|-zp] with an optional -a8 (int8 activations), e.g. int8, "
+                     "int4-g128, int4-g32-asym, int4-g128-zp, int8-a8, int4-g64-a8")
   bits, group, kind = int(m.group(1)), m.group(2), m.group(3)
-  return QuantFormat(bits, int(group) if group else None, kind is None, kind == "-zp")
+  return QuantFormat(bits, int(group) if group else None, kind is None, kind == "-zp",
+                     m.group(4) is not None)
 
 
 def check_group(fmt: QuantFormat, k: int, where: str) -> int:
@@ -152,10 +170,12 @@ def scales_for(w_GgM: np.ndarray, fmt: QuantFormat, search: bool = False, h_Ggg=
 def quantize_values(w, scale, offset, fmt: QuantFormat):
   """Unsigned codes u of w given its group's scale/offset (broadcasting); symmetric codes are
   offset (q + 128 for INT8, q + 8 for INT4), as XLA:CPU converts uint8 to float far faster
-  than int8."""
+  than int8, except W8A8's signed q (the integer dot's operand)."""
   if fmt.symmetric:
     lo, hi = (-127, 127) if fmt.bits == 8 else (-8, 7)
     q = np.clip(np.rint(w / scale), lo, hi)
+    if fmt.signed_codes:
+      return q.astype(np.int8)
     return (q + (8 if fmt.bits == 4 else 128)).astype(np.uint8)
   if fmt.int_zero:   # `offset` is the zero code z
     return np.clip(np.rint(w / scale) + offset, 0, fmt.levels - 1).astype(np.uint8)
@@ -167,7 +187,7 @@ def dequantize_values(codes, scale, offset, fmt: QuantFormat, xp=np):
   """Float values of integer codes (numpy or jax.numpy through `xp`)."""
   c = codes.astype(xp.float32)
   if fmt.symmetric:
-    return (c - (8.0 if fmt.bits == 4 else 128.0)) * scale
+    return (c - (0.0 if fmt.signed_codes else 8.0 if fmt.bits == 4 else 128.0)) * scale
   if fmt.int_zero:   # `offset` is the zero code z
     return (c - offset.astype(xp.float32)) * scale
   return c * scale + offset
