@@ -107,6 +107,11 @@ class QArray:
     offset = None if self.offset is None else jnp.expand_dims(self.offset, self._row_axis)
     return dequantize_values(codes, scale, offset, self.fmt, xp=jnp).astype(dtype)
 
+  def grouped_values_int8(self):
+    """The integer codes as int8, rows of each group in order (INT4: nibbles 0..15)."""
+    parts = [c.astype(jnp.int8) for c, _ in self._planes()]
+    return jnp.concatenate(parts, axis=self._row_axis) if len(parts) > 1 else parts[0]
+
   def grouped_values(self, dtype):
     """All values, rows of each group in order: [*lead, G, g, M] or [*lead, M, G, g]."""
     parts = [self._dequant(c, dtype) for c, _ in self._planes()]
@@ -203,20 +208,21 @@ class QArray:
     # one row (a decode step) would convert the whole weight to int32 instead.
     rows = max(n, 2)
     q_RGg = jnp.pad(q_NGg, ((0, rows - n), (0, 0), (0, 0)))
-    d_GRM = None
-    for codes, part in self._planes():
-      w = codes.astype(jnp.int8)  # INT8: already int8; INT4: nibbles 0..15
-      x_RGr = q_RGg[:, :, part]
-      if groups == 1:  # one plain 2-D dot, the form YNNPACK takes directly
-        w_2 = w.reshape(w.shape[0], -1) if self.out_first else w.reshape(-1, w.shape[-1])
-        dims = (((1,), (1 if self.out_first else 0,)), ((), ()))
-        d = jax.lax.dot_general(x_RGr.reshape(rows, -1), w_2, dims,
-                                preferred_element_type=jnp.int32)[None]
-      else:
-        dims = (((2,), (2 if self.out_first else 1,)), ((0,), (1 if self.out_first else 0,)))
-        d = jax.lax.dot_general(jnp.swapaxes(x_RGr, 0, 1), w, dims,
-                                preferred_element_type=jnp.int32)
-      d_GRM = d if d_GRM is None else d_GRM + d
+    # INT4: both nibble planes unpacked into one int8 [G, g, M] weight (one dot of depth g).
+    w = self.grouped_values_int8()
+    if groups == 1:  # one plain 2-D dot, the form YNNPACK takes directly
+      w_2 = w.reshape(w.shape[0], -1) if self.out_first else w.reshape(-1, w.shape[-1])
+      dims = (((1,), (1 if self.out_first else 0,)), ((), ()))
+      d_GRM = jax.lax.dot_general(q_RGg.reshape(rows, -1), w_2, dims,
+                                  preferred_element_type=jnp.int32)[None]
+    else:
+      dims = (((2,), (2 if self.out_first else 1,)), ((0,), (1 if self.out_first else 0,)))
+      # Groups first, materialized (the barrier keeps XLA from folding the transpose into
+      # the dot's operand layout): a transposed operand keeps XLA:CPU from handing the dot
+      # to YNNPACK, and it then converts the whole weight to int32 instead.
+      q_GRg = jnp.pad(jnp.swapaxes(q_NGg, 0, 1), ((0, 0), (0, rows - n), (0, 0)))
+      q_GRg = jax.lax.optimization_barrier(q_GRg)
+      d_GRM = jax.lax.dot_general(q_GRg, w, dims, preferred_element_type=jnp.int32)
     d_GNM = d_GRM[:, :n]
     x_GN1 = jnp.sum(q_NGg.astype(jnp.int32), axis=-1).T[..., None]
     per_group = (lambda a: a.T) if self.out_first else (lambda a: a)  # [G, M]
