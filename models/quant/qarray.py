@@ -207,13 +207,13 @@ class QArray:
     # XLA:CPU hands an s8 x s8 dot to YNNPACK's integer kernels only with two rows or more;
     # one row (a decode step) would convert the whole weight to int32 instead.
     rows = max(n, 2)
-    q_RGg = jnp.pad(q_NGg, ((0, rows - n), (0, 0), (0, 0)))
     # INT4: both nibble planes unpacked into one int8 [G, g, M] weight (one dot of depth g).
     w = self.grouped_values_int8()
     if groups == 1:  # one plain 2-D dot, the form YNNPACK takes directly
       w_2 = w.reshape(w.shape[0], -1) if self.out_first else w.reshape(-1, w.shape[-1])
       dims = (((1,), (1 if self.out_first else 0,)), ((), ()))
-      d_GRM = jax.lax.dot_general(q_RGg.reshape(rows, -1), w_2, dims,
+      q_RK = jnp.pad(q_NGg.reshape(n, -1), ((0, rows - n), (0, 0)))
+      d_GRM = jax.lax.dot_general(q_RK, w_2, dims,
                                   preferred_element_type=jnp.int32)[None]
     else:
       dims = (((2,), (2 if self.out_first else 1,)), ((0,), (1 if self.out_first else 0,)))
