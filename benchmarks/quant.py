@@ -41,6 +41,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -128,7 +129,6 @@ def integer_dots(model) -> dict:
   """Where the -a8 model's int32 dots run, read from its compiled one-token forward: inside
   `__ynn_fusion`s (YNNPACK's integer kernels) or as XLA's own dot, which first converts the
   whole weight to int32."""
-  import re
   graphdef, state = nnx.split(model)
   step = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
   hlo = step.lower(state, jnp.zeros((1, 1), jnp.int32)).compile().as_text()

@@ -36,7 +36,8 @@ def default_rules(fmt: str, embeddings: str | None = "same") -> list[tuple[str, 
   if embeddings == "auto":
     # At INT4 the tied SmolLM2 embedding costs more perplexity than all the projections
     # together (docs/results.md, "Quantization": INT4-g128 RTN with it, +58.9%).
-    embeddings = ("int8-a8" if fmt.endswith("-a8") else "int8") if fmt.startswith("int4") else "same"
+    int8 = "int8-a8" if fmt.endswith("-a8") else "int8"
+    embeddings = int8 if fmt.startswith("int4") else "same"
   emb = fmt if embeddings == "same" else embeddings
   return [("(^|/)(embed_VD|unembed_DV)$", emb), (".*", fmt)]
 
