@@ -9,11 +9,12 @@ A batch of up to `max_batch` requests runs together: one jitted prefill over
 the right-padded prompts (length bucketed by kv_cache.bucket: at least 16,
 under 25% padding), or over the prompts packed into one row where that is
 shorter (a decoder with a float cache), then decode steps of one token per row
-for the whole batch (below), the cache of `max_seq_len` slots per row donated from
-call to call (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
+for the whole batch (below), the cache donated from call to call: per row, the power of
+two slots above the batch's longest prompt + max_tokens, at most `max_seq_len`
+(infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
 scales, about 1/4 of the float32 bytes). A float cache read in place (several rows, or
 unrolled layers) is read only up to the power of two above the batch's longest row
-(`kv_cache.width_for`), so a cache sized to the model's whole context costs little.
+(`kv_cache.width_for`).
 Each row's positions start at 0 and padding is never attended, so a request's
 tokens do not depend on its batch-mates; its randomness depends on its own
 seed only. Finished rows ride along masked until the whole batch is done.
@@ -249,17 +250,23 @@ class Engine:
     """Serves a batch (<= max_batch) to completion, yielding each step's new tokens: up to
     `decode_steps` steps per jitted call, or one with `per_token` (streaming)."""
     n = len(requests)
-    b, tokens_BT, segment_ids_BT = self._padded(requests, self.max_seq_len)
+    # The batch's cache holds what its rows can reach (prompt + max_tokens), a power of two
+    # <= max_seq_len, not max_seq_len itself: `Engine(model, tok)` sizes max_seq_len to the
+    # model's whole context (8,192), and a cache that size per batch ran a 16-token prompt's
+    # 64-token decode at 0.78-0.82x of max_seq_len=512 (issue 45). Few sizes, so few compilations.
+    max_len = kv_cache.width_for(max(len(r.prompt_ids) + r.params.max_tokens for r in requests),
+                                 self.max_seq_len)
+    b, tokens_BT, segment_ids_BT = self._padded(requests, max_len)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
     packed = self._packed(requests, b, tokens_BT.size)
     if packed is not None:
       token_B, logprob_B, cache, seen_BV = _prefill_packed(
-          self.graphdef, self.state, *packed, rows, batch=b, max_len=self.max_seq_len,
+          self.graphdef, self.state, *packed, rows, batch=b, max_len=max_len,
           kv_dtype=self.kv_dtype)
     else:
       token_B, logprob_B, cache, seen_BV = _prefill(
           self.graphdef, self.state, jnp.asarray(tokens_BT), jnp.asarray(segment_ids_BT), rows,
-          max_len=self.max_seq_len, kv_dtype=self.kv_dtype)
+          max_len=max_len, kv_dtype=self.kv_dtype)
     carry = {"cache": cache, "seen": seen_BV}  # donated to each call, replaced by its result
     # Where the cache is read in place, a step reads only the slots in use. A one-row decode
     # over all S slots of the model's own max_seq_len (8,192) ran 5.6x slower than at 512
@@ -277,7 +284,7 @@ class Engine:
         # the power of two above, and end the call where the next step would need a wider
         # one. Finished rows (a longer prompt, perhaps) no longer count.
         reach = max(len(r.prompt_ids) for r in requests if not r.done) + step
-        width = kv_cache.width_for(reach, self.max_seq_len)
+        width = kv_cache.width_for(reach, max_len)
         count = min(count, width - reach + 1)
       tokens_IB, logprobs_IB, i, carry["cache"], carry["seen"] = _decode(
           self.graphdef, self.weights(), carry["cache"], token_B, active_B, carry["seen"], rows,

@@ -262,17 +262,23 @@ def test_a_finished_long_prompt_does_not_cut_the_calls_of_the_rows_still_running
     assert engine.generate([prompt], p)[0].token_ids == r.token_ids
 
 def test_one_row_reads_only_the_slots_in_use_of_a_cache_as_long_as_the_model(monkeypatch):
-  """Engine(model, tok) sizes the cache to the model's whole context (512 here); a one-row
-  decode with unrolled layers reads only the power of two above its row, as several rows do,
-  and gives the tokens and logprobs of a 64-slot cache. With the layer scan it reads all."""
+  """Engine(model, tok) may hold the model's whole context (512 here); a batch's cache holds
+  only the power of two above its prompt + max_tokens, a one-row decode with unrolled layers
+  reads only the power of two above its row, as several rows do, and both give the tokens
+  and logprobs of a 64-slot engine. With the layer scan a step reads the batch's cache."""
   from infer import engine as engine_module
-  widths, real = [], engine_module._decode
+  widths, cache_lens, real, real_prefill = [], [], engine_module._decode, engine_module._prefill
 
   def spy(*a, **k):
     widths.append(k["width"])
     return real(*a, **k)
 
+  def spy_prefill(*a, **k):
+    cache_lens.append(k["max_len"])
+    return real_prefill(*a, **k)
+
   monkeypatch.setattr(engine_module, "_decode", spy)
+  monkeypatch.setattr(engine_module, "_prefill", spy_prefill)
   model, params = tiny_model(max_seq_len=512), SamplingParams(max_tokens=24, logprobs=True)
   want = Engine(model, CharTokenizer(), max_seq_len=64, max_batch=1,
                 unroll_layers=True).generate([PROMPTS[3]], params)[0]
@@ -282,6 +288,7 @@ def test_one_row_reads_only_the_slots_in_use_of_a_cache_as_long_as_the_model(mon
                  unroll_layers=unroll).generate([PROMPTS[3]], params)[0]
     # 12 prompt tokens, 23 decode steps: 4 to slot 15, 16 to slot 31, 3 more (16 a call)
     assert widths == expected
+    assert cache_lens[-1] == 64  # 12 + 24 tokens
     assert got.token_ids == want.token_ids
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_TOL)
 
