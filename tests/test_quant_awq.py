@@ -57,7 +57,7 @@ def test_search_scales_lowers_the_error_on_outlier_channels(name):
   assert alpha > 0 and scaled < 0.9 * plain, (alpha, scaled, plain)
 
 
-def _model_with_outliers():
+def model_with_outliers():
   """CFG with a few large channels in each norm scale, so every pair has something to scale."""
   model = Transformer(CFG, nnx.Rngs(0))
   rng = np.random.default_rng(3)
@@ -71,7 +71,7 @@ def _model_with_outliers():
 
 def test_awq_scale_leaves_the_float_model_unchanged():
   ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (8, 32)))
-  model = _model_with_outliers()
+  model = model_with_outliers()
   ref = np.asarray(model(ids))
   before = {p: np.array(v[...]) for p, v in params_by_path(model).items()}
   alphas = awq_scale(model, quant_plan(model, default_rules("int4-g32")), ids, batch=4)
@@ -85,10 +85,10 @@ def test_awq_scale_leaves_the_float_model_unchanged():
 def test_awq_quantize_lowers_output_error_against_rtn():
   from infer.quant import quantize_model
   ids = np.random.default_rng(0).integers(0, CFG.vocab_size, (8, 32))
-  ref = _model_with_outliers()(jnp.asarray(ids))
+  ref = model_with_outliers()(jnp.asarray(ids))
   errors = {}
   for method in ("rtn", "awq"):
-    model = _model_with_outliers()
+    model = model_with_outliers()
     if method == "rtn":
       quantize_model(model, default_rules("int4-g32"))
     else:

@@ -37,7 +37,7 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
   assert cache["met"] == (cache["speed_ratio_median_round"] >= quant.TARGETS[
       "default_cache_speed_ratio_min"])
   # The -a8 rows multiply in int32 dots (where they run is the benchmark's finding).
-  for label in ("int8-a8", "int4-g128-a8"):
+  for label in ("int8-a8", "int8-a8-smooth", "int4-g128-a8"):
     dots = rows[label]["integer_dots"]
     assert dots["int32_dots"] > 0 and dots["in_ynnpack"] + dots["xla_dots"] == dots["int32_dots"]
   assert rows["int4-g128-a8"]["format"] == "int4-g128-zp-a8"

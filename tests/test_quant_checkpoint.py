@@ -198,6 +198,10 @@ def test_quantize_refuses_bad_input(tmp_path, workdir):
   for method in ("gptq", "awq", "awq-gptq"):
     _quantize_fails(tmp_path, workdir, "--format", "int4-g128", "--method", method,
                     match="--calib")
+  _quantize_fails(tmp_path, workdir, "--format", "int8-a8", "--method", "smooth",
+                  match="--calib")
+  _quantize_fails(tmp_path, workdir, "--format", "int8", "--method", "smooth",
+                  "--calib", SHAKESPEARE, match="use an -a8 format (e.g. int8-a8)")
   # d_model 64: a 128-row group does not fit; the error names a layer and the sizes.
   _quantize_fails(tmp_path, workdir, "--format", "int4-g128", "--method", "rtn",
                   match="group size 128 (int4-g128) does not divide the contraction dimension 64")
@@ -243,6 +247,25 @@ def test_meshlm_serve_answers_from_a_quantized_checkpoint(tmp_path, workdir, fmt
     assert reply.json()["usage"]["completion_tokens"] == len(tokens)
   finally:
     server.stop()
+
+
+def test_w8a8_smoothed_checkpoint_quantize_then_generate(tmp_path, workdir):
+  """`meshlm quantize --format int8-a8 --method smooth` records an α (or none) per layer and
+  pair; `meshlm generate` loads the checkpoint and prints the engine's greedy text."""
+  out = str(tmp_path / "q")
+  main(["quantize", "--model", workdir, "--format", "int8-a8", "--method", "smooth",
+        "--calib", SHAKESPEARE, "--calib_samples", "4", "--calib_len", "32", "--out", out])
+  model, tokenizer = load_quantized(out)
+  with open(os.path.join(out, "quant.json")) as f:
+    info = json.load(f)
+  assert info["plan"]["embed_VD"] == "int8" and info["plan"]["blocks/mlp/down_FD"] == "int8-a8"
+  alphas = info["calibration"]["smooth_alpha"]
+  assert len(alphas) == 4 and all(len(a) == model.cfg.num_layers for a in alphas.values())
+  tokens = _greedy(model, tokenizer, n=5)
+  run = _meshlm("generate", "--model", out, "--prompt", PROMPT, "--max_new_tokens", "5",
+                "--temperature", "0")
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert tokenizer.decode(tokens) in run.stdout, (tokenizer.decode(tokens), run.stdout)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "awq-gptq"])

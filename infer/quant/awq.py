@@ -114,15 +114,15 @@ def awq_scale(model, plan: dict, calib_ids_NT, *, grid: int = 20, batch: int = 1
       for p in after:
         w = np.asarray(local[p][...], np.float32)
         mats.append((to_matrix(w, *axes_of(p)), layer_plan[p]))
-      channel_K = _feeding_channel(feeder, local)
+      channel_K = feeding_channel(feeder, local)
       alpha, s_C = search_scales(mats, hessians[after[0]], channel_K, grid)
       alphas[feeder].append(alpha)
       if alpha:
-        _fold(stacked, layer, feeder, after, s_C.astype(np.float32), channel_K)
+        fold(stacked, layer, feeder, after, s_C.astype(np.float32), channel_K)
   return alphas
 
 
-def _feeding_channel(feeder: str, local) -> np.ndarray:
+def feeding_channel(feeder: str, local) -> np.ndarray:
   """Row k of the fed projections' contraction reads channel [k] of the feeder's output."""
   if feeder == "attn/wv_DKH":
     n, h = local["attn/wo_NHD"][...].shape[:2]
@@ -132,7 +132,7 @@ def _feeding_channel(feeder: str, local) -> np.ndarray:
   return np.arange(local[feeder][...].shape[-1])
 
 
-def _fold(stacked, layer: int, feeder: str, after, s_C: np.ndarray, channel_K: np.ndarray):
+def fold(stacked, layer: int, feeder: str, after, s_C: np.ndarray, channel_K: np.ndarray):
   """Feeder's output channels (its trailing axes) ÷ s and the projections' contraction rows
   (their leading axes) × s of the channel they read, in layer `layer` of the model's stacked
   block parameters."""

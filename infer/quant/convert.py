@@ -19,10 +19,11 @@ from infer.quant import quantize_model, weight_bytes
 from infer.quant.awq import awq_quantize
 from infer.quant.checkpoint import quantized_params, save_quantized
 from infer.quant.gptq import gptq_quantize
+from infer.quant.smooth import smooth_quantize
 from infer.quant.tune import tune_scales
 from train.report_paths import portable_path
 
-METHODS = ("gptq", "awq", "awq-gptq", "rtn")
+METHODS = ("gptq", "awq", "awq-gptq", "smooth", "rtn")
 EMBEDDINGS = {"auto": "auto", "same": "same", "int8": "int8", "none": None}
 
 
@@ -107,6 +108,9 @@ def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str =
     raise ValueError(f"--method {method}: use one of {', '.join(METHODS)}")
   if embeddings not in EMBEDDINGS:
     raise ValueError(f"--embeddings {embeddings}: use one of {', '.join(EMBEDDINGS)}")
+  if method == "smooth" and not fmt.act8:
+    raise ValueError(f"--method smooth smooths the activations an integer matmul quantizes: "
+                     f"use an -a8 format (e.g. {fmt.name}-a8), not {fmt.name}")
   if method != "rtn" and calib is None:
     raise ValueError(f"--method {method} needs calibration text: --calib FILE "
                      "(.txt/.json/.jsonl); or use --method rtn")
@@ -137,6 +141,9 @@ def quantize_checkpoint(model_path: str, format: str, out: str, *, method: str =
     options = dict(fit_groups=fit_groups, act_order=act_order, clip_search=clip_search)
     if method == "gptq":
       plan = gptq_quantize(model, rules, ids_NT, **options)
+    elif method == "smooth":
+      plan, alphas = smooth_quantize(model, rules, ids_NT, fit_groups=fit_groups)
+      calib_info["smooth_alpha"] = alphas
     else:
       plan, alphas = awq_quantize(model, rules, ids_NT, gptq=method == "awq-gptq", **options)
       calib_info["awq_alpha"] = alphas

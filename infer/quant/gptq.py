@@ -127,13 +127,16 @@ class BlockHessians:
   GPTQ's sequential order): after each yield the block runs on the calibration activations.
   With `rerun=False` the consumer promises to leave each block's function unchanged, and the
   recording run's outputs are used instead (half the forward passes). `outputs` holds the
-  last block's outputs once the walk is done."""
+  last block's outputs once the walk is done. `record(block, paths, run)` gathers other
+  statistics of the inputs in place of the Hessians (infer/quant/smooth.py)."""
 
-  def __init__(self, model, paths, calib_ids_NT, batch: int = 16, rerun: bool = True):
+  def __init__(self, model, paths, calib_ids_NT, batch: int = 16, rerun: bool = True,
+               record=None):
     ids = np.asarray(calib_ids_NT, np.int32)
     if ids.ndim != 2 or ids.size == 0:
       raise ValueError(f"calibration ids must be a non-empty [N, T] array, got shape {ids.shape}")
     self.model, self.paths, self.rerun = model, list(paths), rerun
+    self.record = record or _hessians
     self.pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     self.segs = jnp.ones(ids.shape, jnp.int32)
     self.chunks = [slice(i, i + batch) for i in range(0, len(ids), batch)]
@@ -146,7 +149,7 @@ class BlockHessians:
     graphdef, state = nnx.split(self.model.blocks)
     for layer in range(self.model.cfg.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
-      hessians, outputs = _hessians(block, self.paths, self.run)
+      hessians, outputs = self.record(block, self.paths, self.run)
       yield layer, block, hessians
       self.outputs = self.run(block) if self.rerun else outputs
 
