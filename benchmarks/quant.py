@@ -33,6 +33,8 @@ Decode: infer.Engine, batch 1, greedy, ignore_eos, 64 tokens, after a warm-up ru
 compiles. Every format's engine is kept, and all are timed in interleaved rounds (at least 5,
 and as many as fill 10 s) once every format is quantized: tokens/s is a format's best round,
 and "no slower than float32" is judged on the median over rounds of the paired ratio.
+The float32, int8, int8-a8, int4-g128 RTN and int4-g128-a8 rows are also timed at batch 8 (8
+held-out prompts in one `generate`; `batch8_*`), in the same interleaved rounds.
 `default_cache` times the float32 model's `Engine(model, tok)`, its cache as long as the
 model's context (8,192 slots for SmolLM2), against `max_seq_len=512` in the same way.
 """
@@ -70,7 +72,11 @@ TUNE = {"epochs": 3, "lr": 2e-3}
 TARGETS = {"int4_g128_bytes_ratio_max": 0.16, "int8_ppl_increase_max": 0.01,
            "calibrated_int4_ppl_increase_max": 0.05, "decode_speed_ratio_min": 1.0,
            "default_cache_speed_ratio_min": 0.9, "w8a8_decode_speed_ratio_min": 1.8,
-           "int4_decode_speed_ratio_min": 2.5, "a8_int4_ppl_increase_max": 0.05}
+           "int4_decode_speed_ratio_min": 2.5, "a8_int4_ppl_increase_max": 0.05,
+           "batch_decode_speed_ratio_min": 1.3}
+# Also timed at batch BATCH (all BATCH prompts in one generate), against float32 there.
+BATCH = 8
+BATCHED = ("float32", "int8", "int8-a8", "int4-g128-rtn", "int4-g128-a8")
 
 
 def chunks(ids: list[int], n: int, t: int) -> np.ndarray:
@@ -122,6 +128,22 @@ def decode_runner(model, tokenizer, prompt_ids: list[int], new_tokens: int, **en
     out = engine.generate(prompt_ids, params)[0]
     return len(out.token_ids) / (time.perf_counter() - start)
   run.token_ids = engine.generate(prompt_ids, params)[0].token_ids  # compiles
+  return run
+
+
+def batch_runner(model, tokenizer, prompts: list[list[int]], new_tokens: int):
+  """`decode_runner` for a batch: all prompts in one `generate` (max_batch = their number);
+  returns total new tokens/s."""
+  from infer import Engine, SamplingParams
+  engine = Engine(model, tokenizer, max_batch=len(prompts),
+                  max_seq_len=max(map(len, prompts)) + new_tokens)
+  params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+  def run() -> float:
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - start)
+  run()  # compiles
   return run
 
 
@@ -209,6 +231,7 @@ def run_model(name, load, texts, args) -> dict:
   calib = chunks(tokenizer.encode(calib_text, add_bos=False), args.calib_samples, args.seq_len)
   held = chunks(tokenizer.encode(eval_text, add_bos=False), args.eval_samples, args.seq_len)
   prompt = [int(t) for t in held[0, :args.prompt_len]]
+  batch = [[int(t) for t in held[i % len(held), :args.prompt_len]] for i in range(BATCH)]
   rows, runners, cache_check = {}, {}, None
   for label, fmt, method in FORMATS:
     if args.formats and label not in args.formats:
@@ -225,6 +248,8 @@ def run_model(name, load, texts, args) -> dict:
     if fmt and fmt.endswith("-a8"):
       row["integer_dots"] = integer_dots(model)
     runners[label] = decode_runner(model, tok, prompt, args.new_tokens)
+    if label in BATCHED:
+      runners[f"{label}/batch{BATCH}"] = batch_runner(model, tok, batch, args.new_tokens)
     if fmt is None:
       cache_check = default_cache(model, tok, prompt, args)
       log(f"{name} Engine(model, tok) against max_seq_len=512: {cache_check}")
@@ -237,6 +262,12 @@ def run_model(name, load, texts, args) -> dict:
   base = rows.get("float32")
   for label, row in rows.items():
     row["decode_tokens_per_s"] = best[label]
+    if f"{label}/batch{BATCH}" in speeds:
+      row[f"batch{BATCH}_tokens_per_s"] = best[f"{label}/batch{BATCH}"]
+      if base:
+        row[f"batch{BATCH}_speed_ratio_median_round"] = float(np.median(
+            np.asarray(speeds[f"{label}/batch{BATCH}"])
+            / np.asarray(speeds[f"float32/batch{BATCH}"])))
     if base:
       row["bytes_ratio"] = row["weight_bytes"] / base["weight_bytes"]
       row["ppl_increase"] = row["ppl"] / base["ppl"] - 1.0
@@ -272,6 +303,10 @@ def _targets(rows) -> dict:
   if "int4-g128-a8" in rows:
     met["int4_a8_ppl"] = (rows["int4-g128-a8"]["ppl_increase"]
                           <= TARGETS["a8_int4_ppl_increase_max"])
+  batched = [r[f"batch{BATCH}_speed_ratio_median_round"] for k, r in rows.items()
+             if k != "float32" and f"batch{BATCH}_speed_ratio_median_round" in r]
+  if batched:  # the fastest quantized format at batch BATCH
+    met[f"batch{BATCH}_decode"] = max(batched) >= TARGETS["batch_decode_speed_ratio_min"]
   int4 = [r["decode_speed_ratio_median_round"] for k, r in rows.items() if k.startswith("int4")]
   if int4:  # W4A8 or weight-only, whichever is faster
     met["int4_decode"] = max(int4) >= TARGETS["int4_decode_speed_ratio_min"]

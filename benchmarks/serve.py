@@ -355,7 +355,7 @@ async def bench(args, base, proc) -> dict:
   }
 
 
-def main():
+def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", action="store_true", help="print one JSON document on stdout")
   parser.add_argument("--model", default=None, help="served model (default SmolLM2 GGUF)")
@@ -376,7 +376,12 @@ def main():
   parser.add_argument("--max-prompt-chars", type=int, default=600)
   parser.add_argument("--health-timeout", type=float, default=600.0)
   parser.add_argument("--request-timeout", type=float, default=600.0)
-  args = parser.parse_args()
+  return parser
+
+
+def run_one(args) -> dict:
+  """One load run as the flags in `args` ask (a server started here unless --url); exits 2
+  if the server fails to come up. The result's paths are scrubbed."""
   proc, base = None, args.url.rstrip("/") if args.url else None
   if base is None:
     from models.pretrained import smollm_path
@@ -396,7 +401,12 @@ def main():
     if proc is not None:
       stop_server(proc)
   result["server_log"] = log_path if proc is not None else None
-  result = scrub_paths(result)  # the model path, the log, the /metrics labels
+  return scrub_paths(result)  # the model path, the log, the /metrics labels
+
+
+def main():
+  args = make_parser().parse_args()
+  result = run_one(args)
   print(json.dumps(result, indent=None if args.json else 2))
   warm = result["warmup"]
   sys.exit(1 if result["failed"] + result["lost"] + warm["sent"] - warm["completed"] else 0)

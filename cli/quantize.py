@@ -34,7 +34,7 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_enum("method", "gptq", list(METHODS),
                     "calibrated (needs --calib): gptq, awq (activation-aware scaling, then "
                     "round-to-nearest), awq-gptq (the scaling, then GPTQ), smooth (-a8 "
-                    "formats: activation smoothing, then round-to-nearest); or rtn "
+                    "formats: activation smoothing, then rounding); or rtn "
                     "(round-to-nearest)", flag_values=fv)
   flags.DEFINE_string("calib", None, "calibration text: .txt, .json or .jsonl", flag_values=fv)
   flags.DEFINE_integer("calib_samples", 64, "calibration sequences", flag_values=fv)

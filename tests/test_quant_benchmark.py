@@ -41,3 +41,10 @@ def test_quant_benchmark_quick_reports_every_format(tmp_path, capsys):
     dots = rows[label]["integer_dots"]
     assert dots["int32_dots"] > 0 and dots["in_ynnpack"] + dots["xla_dots"] == dots["int32_dots"]
   assert rows["int4-g128-a8"]["format"] == "int4-g128-zp-a8"
+  # Batch 8 (one generate of 8 prompts) for the float32 baseline and the listed formats.
+  for label in quant.BATCHED:
+    assert rows[label]["batch8_tokens_per_s"] > 0, label
+  assert "batch8_tokens_per_s" not in rows["int4-g32"]
+  assert met["batch8_decode"] == (max(rows[k]["batch8_speed_ratio_median_round"]
+                                      for k in quant.BATCHED if k != "float32")
+                                  >= quant.TARGETS["batch_decode_speed_ratio_min"])
