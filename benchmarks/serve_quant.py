@@ -1,4 +1,4 @@
-"""Serving a quantized checkpoint: `meshlm serve` on float32 and on W8A8, side by side, and llama.cpp.
+"""Quantized serving: `meshlm serve` of float32 and of W8A8, side by side, and llama-server.
 
   python benchmarks/serve_quant.py --json [--clients 8,32] [--duration 30] [--format int8-a8]
       [--llama_bin DIR]

@@ -37,7 +37,7 @@ def default_rules(fmt: str, embeddings: str | None = "same") -> list[tuple[str, 
     # At INT4 the tied SmolLM2 embedding costs more perplexity than all the projections
     # together (docs/results.md, "Quantization": INT4-g128 RTN with it, +58.9%). Under -a8,
     # smoothing cannot fold into a tied LM head, and its per-token int8 activations cost
-    # SmolLM2 0.7% of perplexity for no measured speed (1.54x vs 1.50x float32).
+    # SmolLM2 about 0.7 points of perplexity for no speed in a side check.
     embeddings = "int8" if fmt.startswith("int4") or fmt.endswith("-a8") else "same"
   emb = fmt if embeddings == "same" else embeddings
   return [("(^|/)(embed_VD|unembed_DV)$", emb), (".*", fmt)]
