@@ -118,32 +118,31 @@ def perplexity(model, ids_NT: np.ndarray, batch: int = 8) -> float:
 def decode_runner(model, tokenizer, prompt_ids: list[int], new_tokens: int, **engine_kw):
   """One greedy request on a compiled engine: a function that runs it once and returns tokens/s
   (its `token_ids` attribute: the tokens). The cache fits the request unless `engine_kw` says."""
-  from infer import Engine, SamplingParams
-  engine_kw.setdefault("max_seq_len", len(prompt_ids) + new_tokens)
-  engine = Engine(model, tokenizer, max_batch=1, **engine_kw)
-  params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-
-  def run() -> float:
-    start = time.perf_counter()
-    out = engine.generate(prompt_ids, params)[0]
-    return len(out.token_ids) / (time.perf_counter() - start)
-  run.token_ids = engine.generate(prompt_ids, params)[0].token_ids  # compiles
+  run = batch_runner(model, tokenizer, [prompt_ids], new_tokens, **engine_kw)
+  run.token_ids = run.token_ids[0]
   return run
 
 
-def batch_runner(model, tokenizer, prompts: list[list[int]], new_tokens: int):
+def batch_runner(model, tokenizer, prompts: list[list[int]], new_tokens: int, **engine_kw):
   """`decode_runner` for a batch: all prompts in one `generate` (max_batch = their number);
-  returns total new tokens/s."""
+  the function returns total new tokens/s, its `token_ids` the tokens of each prompt."""
   from infer import Engine, SamplingParams
-  engine = Engine(model, tokenizer, max_batch=len(prompts),
-                  max_seq_len=max(map(len, prompts)) + new_tokens)
+  engine_kw.setdefault("max_seq_len", max(map(len, prompts)) + new_tokens)
+  engine = Engine(model, tokenizer, max_batch=len(prompts), **engine_kw)
   params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+  def generate():
+    out = engine.generate(prompts, params)
+    bad = [r.error for r in out if r.finish_reason == "error"]
+    if bad:   # a batch answers a bad request with an error, not an exception
+      raise ValueError(f"benchmark request refused: {bad[0]}")
+    return out
 
   def run() -> float:
     start = time.perf_counter()
-    out = engine.generate(prompts, params)
+    out = generate()
     return sum(len(r.token_ids) for r in out) / (time.perf_counter() - start)
-  run()  # compiles
+  run.token_ids = [r.token_ids for r in generate()]  # compiles
   return run
 
 

@@ -46,7 +46,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.common import cpu_count, log  # noqa: E402
 from benchmarks.decode_models import smollm_path  # noqa: E402
-from benchmarks.quant import decode_speeds, quantized, smollm_texts  # noqa: E402
+from benchmarks.quant import decode_runner, decode_speeds, quantized, smollm_texts  # noqa: E402
 
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize")
 
@@ -132,23 +132,11 @@ def window_perplexity(model, tokenizer, text: str, n_ctx: int, batch: int = 8) -
 
 def engine_runners(model, tokenizer, prompt: int, gen: int) -> dict:
   """{'tg': run, 'pp': run}, each returning tokens/s of one compiled request (module docstring)."""
-  from infer import Engine, SamplingParams
   bos = tokenizer.bos_id if tokenizer.bos_id is not None else 0
-  engine = Engine(model, tokenizer, max_seq_len=prompt + gen, max_batch=1)
-  rng = np.random.default_rng(0)
-  prompt_ids = [int(t) for t in rng.integers(1, model.cfg.vocab_size, prompt)]
-  jobs = {"tg": ([bos], SamplingParams(max_tokens=gen, ignore_eos=True), gen),
-          "pp": (prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True), prompt)}
-
-  def runner(ids, params, count):
-    def run() -> float:
-      start = time.perf_counter()
-      engine.generate(ids, params)
-      return count / (time.perf_counter() - start)
-    run()  # compiles
-    return run
-
-  return {kind: runner(*job) for kind, job in jobs.items()}
+  prompt_ids = [int(t) for t in np.random.default_rng(0).integers(1, model.cfg.vocab_size, prompt)]
+  tg = decode_runner(model, tokenizer, [bos], gen, max_seq_len=prompt + gen)
+  one = decode_runner(model, tokenizer, prompt_ids, 1, max_seq_len=prompt + gen)
+  return {"tg": tg, "pp": lambda: prompt * one()}   # one token out: prompt tokens per second
 
 
 def main(argv=None):

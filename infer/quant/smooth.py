@@ -17,6 +17,8 @@ the input: Q_w the weight's own format (round-to-nearest), Q_a per-row absmax in
 the format's groups.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,12 +70,12 @@ def input_stats(rows: int, calls: int):
   return record
 
 
-@jax.jit
-def _product_error(x_RK, w_KM, q_KM, s_K, groups):
+@functools.partial(jax.jit, static_argnames=("groups",))
+def _product_error(x_RK, w_KM, q_KM, s_K, groups: int):
   """||Q_a(x/s) q − x w||², Q_a per-row absmax int8 over `groups` equal column groups (the
   integer path's activation quantization); q the quantized s·w, dequantized."""
   r, k = x_RK.shape
-  xs_RGg = (x_RK / s_K).reshape(r, groups.shape[0], -1)
+  xs_RGg = (x_RK / s_K).reshape(r, groups, -1)
   step = jnp.max(jnp.abs(xs_RGg), axis=-1, keepdims=True) / 127
   step = jnp.where(step == 0, 1.0, step)
   qx_RK = (jnp.clip(jnp.round(xs_RGg / step), -127, 127) * step).reshape(r, k)
@@ -104,9 +106,8 @@ def search_smoothing(weights, x_RK: np.ndarray, amax_K: np.ndarray, channel_K: n
     err = 0.0
     for w, fmt, path in weights:
       q_KM = decode(*encode(w * s_K[:, None], fmt, path), fmt)
-      groups = jnp.zeros(w.shape[0] // fmt.group_for(w.shape[0]))
       err += float(_product_error(x, jnp.asarray(w), jnp.asarray(q_KM), jnp.asarray(s_K),
-                                  groups))
+                                  w.shape[0] // fmt.group_for(w.shape[0])))
     errors.append(err)
   return candidates[int(np.argmin(errors))]   # the first minimum: ties keep no smoothing
 
