@@ -1,8 +1,11 @@
 """Llama-3-8B-class pretraining on 64 devices: FSDP over all of them, bf16 compute.
 
-Plan it (estimates, AOT compile on 64 fake CPU devices, other layouts within 80 GiB):
+Plan it (estimates, AOT compile on 64 fake CPU devices, other layouts within 80 GiB), then
+compile it for its target, a v5p slice of 64 chips, with the TPU's own compiler (deviceless;
+docs/accelerators.md):
 
   meshlm plan --config experiments/llama3_8b_pod.py --devices 64 --budget_gb 80 --compile
+  meshlm plan --config experiments/llama3_8b_pod.py --target v5p:4x4x4 --compile
 
 Train it (set the data and a Llama-3 tokenizer first; one process per host):
 

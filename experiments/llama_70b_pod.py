@@ -3,9 +3,11 @@
 4 pipeline stages (circular schedule, 2 repeats: each device holds two chunks of
 10 layers; 16 microbatches: bubble 3/35 = 8.6%), FSDP over 8, and Megatron
 tensor parallelism with sequence parallelism over 8 (the 8 key/value heads
-bound it: keep `tensor` within a node's fast links). Plan it:
+bound it: keep `tensor` within a node's fast links). Plan it, then compile it for its
+target, a v5p slice of 256 chips (deviceless; docs/accelerators.md):
 
   meshlm plan --config experiments/llama_70b_pod.py --devices 256 --budget_gb 80 --compile
+  meshlm plan --config experiments/llama_70b_pod.py --target v5p:4x8x8 --compile
 
 Train it (set the data and a Llama-3 tokenizer first; one process per host):
 

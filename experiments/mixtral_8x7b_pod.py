@@ -4,9 +4,11 @@ Eight SwiGLU experts per layer (each of model.mlp_dim), two routed per token
 (dropless, Mixtral's top-2 renormalised gating); experts are split over
 `expert` (8) and every weight over `fsdp` (8), tokens exchanged with
 all-to-all. The planner accounts for the MoE keys (expert weights, routed
-activations, all-to-alls). Plan it, then train it:
+activations, all-to-alls). Plan it, compile it for its target (a v5p slice of 64 chips,
+deviceless; docs/accelerators.md), then train it:
 
   meshlm plan --config experiments/mixtral_8x7b_pod.py --devices 64 --budget_gb 80 --compile
+  meshlm plan --config experiments/mixtral_8x7b_pod.py --target v5p:4x4x4 --compile
   meshlm train --config experiments/mixtral_8x7b_pod.py --workdir gs://BUCKET/mixtral
 """
 

@@ -54,7 +54,7 @@ def unrolls(unroll_layers: bool | None, kv_dtype: str | None = None) -> bool:
   (an int8 cache's unrolled steps restack its slices)."""
   if unroll_layers is not None:
     return bool(unroll_layers)
-  return jax.default_backend() == "cpu" and kv_dtype is None
+  return parallel.platform() == "cpu" and kv_dtype is None
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "kv_dtype"))

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from models.attention import attention
 from models.config import ModelConfig
 from models.layer_weights import is_unrolled
+import parallel
 from parallel import constrain
 
 KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
@@ -286,7 +287,7 @@ class _Packed:
     # "auto" on CPU: tiles (measured). On GPU/TPU "auto" keeps its own choice, unmeasured
     # here; a position bias runs on the naive kernel whatever is asked.
     if bias_fn is None and (impl == "blockwise" or (
-        impl == "auto" and jax.default_backend() not in ("gpu", "tpu"))):
+        impl == "auto" and parallel.platform() not in ("gpu", "tpu"))):
       impl, tile = "blockwise", dict(block_q=PACKED_TILE, block_kv=PACKED_TILE)
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,
                          kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,

@@ -36,6 +36,7 @@ from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_
 from models.attention import attention
 from models.config import ModelConfig
 from models.layer_weights import is_unrolled
+import parallel
 from parallel import constrain
 
 POOL_AXES = ("layers", "act_kv_heads", None, None, None)
@@ -224,8 +225,10 @@ def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:
 
 def _uses_kernel(t: int, cfg: ModelConfig) -> bool:
   # The kernel serves one query per row with a full causal prefix: no windows, TPU only.
-  return (t == 1 and not cfg.sliding_window and jax.default_backend() == "tpu"
-          and cfg.attention_impl in ("auto", "pallas"))
+  # Mosaic tiles its head dimension by the TPU's 128 lanes: a smaller head fails to lower
+  # (seen compiling head_dim 32 for v5e), so it takes the gathered path.
+  return (t == 1 and not cfg.sliding_window and parallel.platform() == "tpu"
+          and cfg.head_dim % 128 == 0 and cfg.attention_impl in ("auto", "pallas"))
 
 
 def _pallas_decode(q_BTNH, k_KWZH, v_KWZH, lengths_B, table_BY, scale):

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import parallel
 from infer import kv_cache, paged, ragged
 from infer.block_manager import BlockManager
 from infer.engine import Engine
@@ -98,7 +99,7 @@ class PagedEngine(Engine):
       raise ValueError(f"ragged_decode reads a float pool in place; kv_dtype={kv_dtype!r} pages "
                        "are read through block tables")
     if ragged_decode is None:  # CPU, where it was measured faster; the TPU has its kernel
-      ragged_decode = kv_dtype is None and jax.default_backend() == "cpu"
+      ragged_decode = kv_dtype is None and parallel.platform() == "cpu"
     self.ragged_decode = ragged_decode
     self.ragged_steps = 0
 

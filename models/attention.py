@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import parallel
 from models.config import ATTENTION_IMPLS as IMPLS
 from parallel import shard_map_logical
 
@@ -95,7 +96,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_B
 
   explicit = impl in ("cudnn", "pallas")
   if impl == "auto":
-    impl = {"gpu": "cudnn", "tpu": "pallas"}.get(jax.default_backend(), "default")
+    impl = {"gpu": "cudnn", "tpu": "pallas"}.get(parallel.platform(), "default")
   if impl in ("cudnn", "pallas"):
     reason = _fast_path_refusal(impl, *args)
     if reason is None:
@@ -341,8 +342,8 @@ def _fast_path_refusal(impl, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_po
   """Why `impl` cannot run this call (None: it can). Decided at trace time from static facts."""
   platform = {"cudnn": "gpu", "pallas": "tpu"}[impl]
   t, h = q_BTNH.shape[1], q_BTNH.shape[3]
-  if jax.default_backend() != platform:
-    return f"not on a {platform.upper()} (backend {jax.default_backend()!r})"
+  if parallel.platform() != platform:
+    return f"not on a {platform.upper()} (the mesh's devices are {parallel.platform()!r})"
   if kv_prefix is not None:
     return "a prefix-LM mask (the kernel's masks are causal or full)"
   if q_pos is not None:

@@ -17,11 +17,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+import parallel
+
 
 def use_flat(matmul: str) -> bool:
-  """`matmul` resolved: "auto" is flat on a one-device CPU process, einsum anywhere else."""
+  """`matmul` resolved: "auto" is flat on a one-device CPU process, einsum anywhere else
+  (including a CPU host compiling for another target: parallel.platform)."""
   if matmul == "auto":
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
+    return parallel.platform() == "cpu" and jax.device_count() == 1
   return matmul == "flat"
 
 

@@ -94,7 +94,7 @@ class MoE(nnx.Module):
   def _impl(self) -> str:
     impl = self.cfg.grouped_matmul
     if impl == "auto":
-      impl = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+      impl = "tiled" if parallel.platform() == "cpu" else "ragged_dot"
     return impl
 
   def __call__(self, x_BTD, segment_ids_BT=None):

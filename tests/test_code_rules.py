@@ -111,3 +111,18 @@ def test_few_in_function_imports_each_with_a_reason():
     lines = path.read_text().splitlines()
     said = lines[line - 1] + lines[line - 2]
     assert "#" in said, f"{path.relative_to(REPO)}:{line}: say why this import is here"
+
+
+def test_kernels_follow_the_target():
+  """No library module reads `jax.default_backend()`: a CPU host compiling for a TPU mesh must
+  get the TPU's kernels, so every kernel choice asks parallel.platform (the mesh's devices)."""
+  found = []
+  for path in sorted(p for pkg in ("parallel", "models", "train", "infer", "align")
+                     for p in (REPO / pkg).rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Attribute) and node.attr == "default_backend":
+        found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+      if isinstance(node, ast.ImportFrom) and any(a.name == "default_backend" for a in node.names):
+        found.append(f"{path.relative_to(REPO)}:{node.lineno} (import)")
+  assert not found, "jax.default_backend() in library code (use parallel.platform):\n" + \
+      "\n".join(found)

@@ -52,3 +52,23 @@ def test_tensor_axis_not_dividing_heads_names_the_sizes():
 def test_unknown_strategy():
   with pytest.raises(ValueError, match="unknown sharding strategy \\['tensr'\\]"):
     parallel.get_layout("fsdp+tensr")
+
+
+def test_platform_is_the_meshs_not_the_hosts():
+  """parallel.platform reads the devices of the mesh a computation is traced under; outside
+  any mesh, the default devices'. (TPU meshes: tests/test_tpu_compile.py.)"""
+  assert parallel.platform() == jax.devices()[0].platform == "cpu"
+  mesh = parallel.make_mesh({"data": 1}, jax.devices()[:1])
+  assert parallel.platform(mesh) == "cpu" and parallel.device_kind(mesh) == "cpu"
+  seen = []
+
+  @jax.jit
+  def f(x):
+    seen.append(parallel.platform())  # at trace time, under the surrounding mesh
+    return x + 1
+
+  with jax.set_mesh(mesh):
+    f(np.ones(2))
+  assert seen == ["cpu"]
+  bare = jax.sharding.AbstractMesh((1,), ("data",))  # no device kind: the default devices'
+  assert parallel.platform(bare) == "cpu"

@@ -16,6 +16,7 @@ from cli import plan as plan_cmd
 from conftest import REPO, device_env
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod
 from train.defaults import base_config
+from train.plan import compile_target, targets
 from train.plan import report as plan_report
 from train.plan.planner import GiB, Planner, pipeline_bubble
 
@@ -171,3 +172,37 @@ def test_cli_text_and_json(capsys):
   doc = json.loads(capsys.readouterr().out)
   assert doc["estimate"]["mesh"] == {"fsdp": 32, "tensor": 2}
   assert "suggestions" not in doc
+
+
+def test_target_names_and_their_errors():
+  t = targets.resolve("v5p:4x4x4")
+  assert (t.version, t.chips, t.chip.hbm_gib, t.chip.peak_tflops) == ("v5p", 64, 95.0, 459.0)
+  assert targets.resolve("v5e:2x2").chips == 4
+  for bad in ("v9x:2x2", "h100x8", "v5p", "v5p:4x"):
+    with pytest.raises(ValueError, match="not a known target"):
+      targets.resolve(bad)
+  _fails("--target", "v9x:2x2", match="--target 'v9x:2x2': not a known target")
+  _fails("--target", "v5e:2x2", match="--devices=64 but --target v5e:2x2 has 4 chips")
+
+
+def test_target_sets_devices_and_the_chips_cost_figures(capsys):
+  """Without --compile no libtpu is needed: the chips, their peak and price are the target's."""
+  plan_cmd.main(["--config", POD_8B, "--target", "v5p:4x4x4", "--json", "--nosuggest"])
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["devices"] == 64 and doc["estimate"]["mesh"] == {"fsdp": 64}
+  assert doc["cost"]["peak_tflops"] == 459.0 and doc["cost"]["price_per_device_hour"] == 4.20
+  assert doc["checkpointing"]["step_source"].endswith("of 459 TFLOP/s per device")
+  plan_cmd.main(["--config", POD_8B, "--target", "v5p:4x4x4", "--json", "--nosuggest",
+                 "--price_per_device_hour", "1.5"])
+  assert json.loads(capsys.readouterr().out)["cost"]["price_per_device_hour"] == 1.5
+
+
+def test_step_cost_extrapolates_layer_probes():
+  one = dict(flops=10.0, bytes_accessed=100.0, optimal_seconds=1.0)
+  two = dict(flops=14.0, bytes_accessed=130.0, optimal_seconds=1.5)
+  got = compile_target.extrapolate(one, two, layers=32, grad_accum=4)
+  assert got == dict(flops=4 * (10 + 31 * 4), bytes_accessed=4 * (100 + 31 * 30),
+                     optimal_seconds=4 * (1 + 31 * 0.5))
+  probe = compile_target.probe_config(llama3_8b_pod.get_config(), 2)
+  assert (probe.batch_size, probe.grad_accum, probe.model.num_layers) == (64, 1, 2)
+  assert probe.model.scan_layers is False

@@ -35,8 +35,10 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict:
-  """Compiles the train step for `mesh_sizes` on this process's devices; per-device bytes."""
+def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str,
+                   devices=None) -> dict:
+  """Compiles the train step for `mesh_sizes` on `devices` (default: this process's); per-device
+  bytes, and what `compiled_facts` reads off the executable."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -44,7 +46,7 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
 
   config = config if isinstance(config, ConfigDict) else ConfigDict(config)
   model_cfg = model_config_from(config)
-  mesh = parallel.make_mesh(dict(mesh_sizes))
+  mesh = parallel.make_mesh(dict(mesh_sizes), devices)
   layout = parallel.get_layout(sharding)
   tx, schedule = make_optimizer(config.optimizer, int(config.steps))
   graphdef, params = abstract_model(model_cfg)
@@ -61,15 +63,46 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str) -> dict
                           int(config.grad_accum))
     compiled = step.lower(abstract, batch).compile()
   seconds = time.perf_counter() - start
+  return dict(compiled_facts(compiled), devices=mesh.size, compile_seconds=round(seconds, 2),
+              platform=parallel.platform(mesh), device_kind=parallel.device_kind(mesh))
+
+
+def compiled_facts(compiled) -> dict:
+  """Per-device bytes (memory_analysis), collectives and custom-call kernels (the optimized
+  HLO), and the compiler's cost model (cost_analysis; None where the backend has none)."""
   m = compiled.memory_analysis()
   hlo = compiled.as_text()
   # Match the op after its result type, which may be a tuple with spaces (all-to-all).
   counts = {k: len(re.findall(rf"\s{k}(-start)?\(", hlo)) for k in COLLECTIVES}
   return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
               alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes,
-              peak=peak_bytes(m),
-              devices=len(jax.devices()), compile_seconds=round(seconds, 2),
-              collectives={k: v for k, v in counts.items() if v})
+              peak=peak_bytes(m), collectives={k: v for k, v in counts.items() if v},
+              kernels=kernel_counts(hlo), cost=cost_facts(compiled))
+
+
+def kernel_counts(hlo: str) -> dict[str, int]:
+  """Custom-call targets in optimized HLO text, counted: Pallas/Mosaic kernels are
+  "tpu_custom_call" on a TPU, Triton and cuDNN calls name themselves on a GPU."""
+  counts: dict[str, int] = {}
+  for target in re.findall(r'custom_call_target="([^"]+)"', hlo):
+    counts[target] = counts.get(target, 0) + 1
+  return counts
+
+
+def cost_facts(compiled) -> dict | None:
+  """flops, bytes accessed and the compiler's time estimate (`optimal_seconds`, TPU only), as
+  the backend counts them: a loop body once, Pallas kernels as almost nothing."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 (a backend without a cost model raises or returns None)
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost:
+    return None
+  keep = {"flops": "flops", "bytes accessed": "bytes_accessed",
+          "optimal_seconds": "optimal_seconds", "transcendentals": "transcendentals"}
+  return {v: float(cost[k]) for k, v in keep.items() if k in cost}
 
 
 def peak_bytes(m) -> int:

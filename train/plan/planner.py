@@ -21,7 +21,7 @@ JAX keeps for this model's backward pass, from `jax.ad_checkpoint`):
 Saved = (layer calls per device) × the above: L calls of r = batch/grad_accum
 rows, or with a pipeline (M microbatches, R repeats, P stages) (M·R + P − 1)·L/(R·P)
 calls of r = batch/grad_accum/M rows. Transients on top, the loss (for a whole
-model call, all M microbatches): logits 3·V·f (XLA's peak holds two
+model call, all M microbatches): logits 3·V·f on CPU, 2.5·V·f on TPU (LOSS_BUFFERS; XLA:CPU's peak holds two
 logits-sized buffers, the gradient and the logits or a transposed copy, and
 the output table gathered for the gradient's matmuls; the third V stands for
 that table, within the calibration bounds below) and final hidden states
@@ -74,6 +74,12 @@ from train.state import abstract_model
 
 F32 = 4
 GiB = 2 ** 30
+# Vocabulary-wide float32 buffers per position that the loss holds at the start of the
+# backward pass (module docstring). The TPU compiler keeps fewer: for llama3_8b_pod on v5p it
+# held the float32 logits, a half-length float32 buffer and three half-length bfloat16 ones
+# (2.25 buffers); 2.5 counts the logits and their gradient in float32 and the gradient again
+# in bfloat16 for the unembedding's matmuls. Unmeasured on GPUs: the CPU's count.
+LOSS_BUFFERS = {"cpu": 3.0, "gpu": 3.0, "tpu": 2.5}
 _X = ("act_batch", "act_res_seq", "act_embed")
 _POLICY = {  # per layer: (tensor, dtype 'f'|'c', count); see the module docstring
     "none": (("X", "f", 4), ("X", "c", 2), ("Q", "c", 2), ("KV", "c", 2), ("S", "f", 1),
@@ -158,12 +164,15 @@ class Planner:
     self.param_count = sum(math.prod(v.shape) for v in jax.tree.leaves(self.params))
 
   def estimate(self, mesh_sizes: Mapping[str, int], sharding: str, devices: int | None = None,
-               compute_dtype: str | None = None) -> dict:
+               compute_dtype: str | None = None, platform: str = "cpu") -> dict:
     """Per-device bytes and per-step communication; ValueError names any size that does not split.
 
     `compute_dtype` overrides model.dtype, e.g. "float32" to size what XLA's CPU
     backend compiles for a bfloat16 model (it computes bfloat16 in float32).
+    `platform` ("cpu" | "gpu" | "tpu") picks the loss's buffer count (LOSS_BUFFERS).
     """
+    if platform not in LOSS_BUFFERS:
+      raise ValueError(f"planner platform {platform!r}; choose one of {sorted(LOSS_BUFFERS)}")
     devices = devices or math.prod(s for s in mesh_sizes.values() if s > 0)
     sizes = resolve_axis_sizes(mesh_sizes, devices)
     layout = get_layout(sharding)
@@ -258,7 +267,8 @@ class Planner:
     # pass, and one layer's backward (score gradients, plus what the policy recomputes).
     # The final norm works on the residual stream (X); the unembedding's input (in c) and its
     # gradient (f) are gathered over positions first (Xs; models/embedding.py).
-    logits = m * (3 * loc["V"] * F32 + loc["X"] * 3 * F32 + loc["Xs"] * (F32 + c))
+    logits = m * (LOSS_BUFFERS[platform] * loc["V"] * F32 + loc["X"] * 3 * F32
+                  + loc["Xs"] * (F32 + c))
     if cfg.remat == "none":  # score gradients (2 float32 buffers) and the boolean mask
       transient = dict(logits_and_layer_backward=logits + loc["S"] * (2 * F32 + 1))
     else:  # the recomputed scores' buffer is reused for their gradient

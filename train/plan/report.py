@@ -21,9 +21,11 @@ tokens per day, and $ and kWh per million tokens from --price_per_device_hour,
 --watts_per_device, --pue and --usd_per_kwh.
 """
 
+from train.plan import compile_target
 from train.plan.aot import compare, compile_in_subprocess
 from train.plan.cost import checkpoint_recommendation, comm_split, cost_estimate, step_flops
 from train.plan.planner import GiB, Planner
+from train.plan.targets import resolve
 
 _AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "sequence")
 # Example figures, all flags: an H100 SXM (989 dense bf16 TFLOP/s, 700 W board power,
@@ -54,7 +56,8 @@ def layouts_for(sizes) -> list[str]:
   return ["+".join(v) or "data_parallel" for v in variants]
 
 
-def suggest(planner: Planner, devices: int, budget_bytes: float = 0, top: int = 10) -> dict:
+def suggest(planner: Planner, devices: int, budget_bytes: float = 0, top: int = 10,
+            platform: str = "cpu") -> dict:
   """Ranked layouts for `devices`; candidates that do not divide (ValueError) are dropped."""
   axes = ["data", "fsdp", "tensor", "pipeline"] + (["expert"] if planner.work.num_experts else [])
   ranked, rejected, over = [], 0, 0
@@ -62,7 +65,7 @@ def suggest(planner: Planner, devices: int, budget_bytes: float = 0, top: int = 
     sizes = dict(zip(axes, factors))
     for sharding in layouts_for(sizes):
       try:
-        est = planner.estimate(sizes, sharding, devices)
+        est = planner.estimate(sizes, sharding, devices, platform=platform)
       except ValueError:
         rejected += 1
         continue
@@ -99,17 +102,21 @@ def _mesh_str(mesh) -> str:
 
 def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_=False,
          top=10, do_suggest=True, checkpointing: dict | None = None,
-         cost: dict | None = None) -> dict:
+         cost: dict | None = None, target: str | None = None) -> dict:
   """Everything `meshlm plan` prints, as one JSON-able dict.
 
   `checkpointing`: keyword arguments of `checkpoint_recommendation` (defaults if None);
-  `cost`: overrides of COST_DEFAULTS for `cost_estimate`.
+  `cost`: overrides of COST_DEFAULTS for `cost_estimate`; `target`: with `compile_`, compile
+  for that target's chips by its own compiler (train/plan/compile_target.py) instead of on
+  fake CPU devices.
   """
   planner = Planner(config)
   w = planner.work
   mesh = dict(config.mesh.to_dict() if mesh is None else mesh)
   sharding = sharding or config.sharding
-  est = planner.estimate(mesh, sharding, devices)
+  # A target's compiler holds the loss differently (planner.LOSS_BUFFERS).
+  platform = resolve(target).chip.platform if target else "cpu"
+  est = planner.estimate(mesh, sharding, devices, platform=platform)
   out = dict(params=planner.param_count, devices=devices, batch_size=w.batch_size,
              seq_len=w.seq_len, grad_accum=w.grad_accum, remat=w.model.remat,
              dtype=w.model.dtype, param_dtype=w.model.param_dtype,
@@ -117,7 +124,11 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
              estimate=est, budget_gb=budget_gb or None)
   out["checkpointing"] = checkpoint_recommendation(planner, est, devices, **(checkpointing or {}))
   out["cost"] = plan_cost(planner, est, devices, **(cost or {}))
-  if compile_:
+  if compile_ and target:
+    raw = compile_target.compile_in_subprocess(config, target, est["mesh"], sharding)
+    out.update(compile_target.summary(raw, est["memory"]["total"], step_flops(w),
+                                      w.batch_size * w.seq_len))
+  elif compile_:
     compiled = compile_in_subprocess(config, devices, est["mesh"], sharding)
     out["compiled"] = compiled
     out["comparison"] = compare(est["memory"]["total"], compiled)
@@ -125,21 +136,28 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
       cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
       out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
   if budget_gb:
+    on_target = out.get("compiled", {}).get("platform") not in (None, "cpu")
     out["verdict"] = budget_verdict(budget_gb, est["memory"]["total"], out.get("compiled"),
-                                    w.model.dtype)
+                                    w.model.dtype, on_target)
   if do_suggest:
-    out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top)
+    out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top, platform)
   return out
 
 
-def budget_verdict(budget_gb: float, estimate: float, compiled: dict | None, dtype: str) -> dict:
+def budget_verdict(budget_gb: float, estimate: float, compiled: dict | None, dtype: str,
+                   on_target: bool = False) -> dict:
   """Whether a layout fits `budget_gb` GiB per device, and on what evidence: the compiled
   peak when there is a compile, else the estimate. XLA:CPU runs bfloat16 math in float32,
   so for such models a compiled peak sizes a float32-activation program, not the accelerator's:
-  the note says so, and names the estimate at the model's dtype beside it."""
+  the note says so, and names the estimate at the model's dtype beside it. `on_target`: the
+  compile was the target's own (its `memory.peak`), which needs no such note."""
   budget = budget_gb * GiB
   if not compiled:
     return dict(fits=estimate <= budget, basis="estimate", bytes=int(estimate), note="")
+  if on_target:
+    peak = compiled["memory"]["peak"]
+    return dict(fits=peak <= budget, basis=f"compiled peak ({compiled['target']})",
+                bytes=int(peak), note="")
   peak = compiled["peak"]
   note = ""
   if dtype != "float32":
@@ -213,7 +231,10 @@ def format_plan(p: dict, command: str = "") -> str:
   if p.get("cost"):
     lines.append("")
     lines.extend(format_cost(p["cost"]))
-  if "compiled" in p:
+  if "compiled" in p and "estimate_over_compiled" in p:
+    lines.append("")
+    lines.extend(compile_target.format_summary(p["compiled"], p["estimate_over_compiled"]))
+  elif "compiled" in p:
     lines.append("")
     if p["compiled"] is None:
       lines.append(p["compile_note"])
