@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import deps
+import pytest
+
+from benchmarks import vs_maxtext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "train_throughput.py")
@@ -81,3 +84,21 @@ def test_moe_benchmark_emits_json():
   for key in ("ratio_dropless_over_dense", "ratio_capacity_over_dense"):
     assert result[key] > 0
   assert isinstance(result["target_met"], bool)
+
+
+def test_vs_maxtext_reads_train_compiles_output():
+  """benchmarks/vs_maxtext.py's parser on the two lines MaxText's train_compile prints (values
+  from its llama3-8b compile for v5p-128); MaxText itself is installed by the benchmark only."""
+  out = ("Finished train_compile.py successfully!\n"
+         "Cost analysis: {'utilization0{}': 3.0, 'optimal_seconds': 0.111, "
+         "'flops': 39189705916416.0, 'bytes accessed': 45669109760.0}\n"
+         "Memory analysis: CompiledMemoryStats(generated_code_size_in_bytes=49584640, "
+         "argument_size_in_bytes=1509519360, output_size_in_bytes=1508837120, "
+         "alias_size_in_bytes=1508831232, temp_size_in_bytes=8281522176, "
+         "host_temp_size_in_bytes=0)\n")
+  got = vs_maxtext.parse_train_compile(out)
+  assert got["peak"] == 1509519360 + 1508837120 - 1508831232 + 8281522176
+  assert got["cost"] == {"flops": 39189705916416.0, "bytes_accessed": 45669109760.0,
+                         "optimal_seconds": 0.111}
+  with pytest.raises(ValueError, match="no memory or cost analysis"):
+    vs_maxtext.parse_train_compile("Finished train_compile.py successfully!\n")

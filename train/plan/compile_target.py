@@ -87,15 +87,20 @@ def compile_for_target(config, target: str, mesh_sizes: Mapping[str, int], shard
   return out
 
 
-def run_deviceless(module: str, request: dict, what: str, timeout: float | None = None) -> dict:
+def run_deviceless(module: str, request: dict, what: str, timeout: float | None = None,
+                   python: str = sys.executable) -> dict:
   """`python -m module` with `request` (JSON) on its standard input, in a fresh interpreter
-  whose JAX stays on the host's CPU while libtpu compiles, sharing its lockfile; the JSON of
-  its last line. RuntimeError names `what` failed, with the compiler's last words."""
+  (`python`: another environment's, e.g. one with another jax) whose JAX stays on the host's
+  CPU while libtpu compiles, sharing its lockfile; the JSON of its last line. RuntimeError
+  names `what` failed, with the compiler's last words."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                  os.environ.get("XLA_FLAGS", "")).strip()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
              PYTHONPATH=os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH")) if p))
-  run = subprocess.run([sys.executable, "-m", module], input=json.dumps(request), env=env,
+  # Importing jax points TPU_LIBRARY_PATH at its own libtpu; another environment's jax must
+  # load its own (an older libtpu rejects a newer jax's kernels).
+  env.pop("TPU_LIBRARY_PATH", None)
+  run = subprocess.run([python, "-m", module], input=json.dumps(request), env=env,
                        cwd=_REPO, capture_output=True, text=True, timeout=timeout)
   lines = run.stdout.strip().splitlines()
   if run.returncode != 0 or not lines:
@@ -106,12 +111,14 @@ def run_deviceless(module: str, request: dict, what: str, timeout: float | None 
 
 
 def compile_in_subprocess(config, target: str, mesh_sizes: Mapping[str, int], sharding: str,
-                          probes: bool = True, timeout: float | None = None) -> dict:
+                          probes: bool = True, timeout: float | None = None,
+                          python: str = sys.executable) -> dict:
   """`compile_for_target` in a fresh interpreter (`run_deviceless`)."""
   config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   request = dict(config=config, target=target, mesh=dict(mesh_sizes), sharding=sharding,
                  probes=probes)
-  return run_deviceless("train.plan.compile_target", request, f"compile for {target}", timeout)
+  return run_deviceless("train.plan.compile_target", request, f"compile for {target}", timeout,
+                        python)
 
 
 def summary(raw: dict, estimate_bytes: float, step_flops: float, tokens_per_step: int) -> dict:
