@@ -11,10 +11,11 @@ gradient-accumulation loop. So two probes compile the same step with 1 and 2 lay
 unrolled (`model.scan_layers=False`), on one microbatch (grad_accum 1,
 batch_size / grad_accum rows): per layer = probe2 − probe1, and the step is
 grad_accum × (probe1 + (L − 1) × per layer). The optimizer update is thereby counted
-grad_accum times, an overcount of its small share. Pallas kernels report almost no
-flops to the cost model, so the estimate leans on `optimal_seconds`, the compiler's
-own time for each op, which does model them; it is an estimate of a compiler, not a
-measurement. A pipeline step runs its schedule in a loop too, which probes of this
+grad_accum times, an overcount of its small share. The estimate is `optimal_seconds`,
+the compiler's own time model summed over ops; a Pallas kernel counts only what its cost
+estimate declares (the flops count may miss it), and an op with no cost model adds -1 s,
+which leaves a negative total that is reported as no estimate. It is an estimate of a
+compiler, not a measurement. A pipeline step runs its schedule in a loop too, which probes of this
 kind do not unroll: no estimate is made for one (the reason is returned).
 
 libtpu takes a lockfile so that one process drives the chips; a deviceless compile drives
