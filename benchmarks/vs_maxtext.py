@@ -167,7 +167,7 @@ def main(argv=None):
   chunked = out["meshlm"]["chunked"]
   chunked["step_target_met"] = None  # not judged: its estimate undercounts (below)
   chunked["note"] = (
-      f"the chunked loss runs {8192 // CHUNK_ROWS} chunks in a loop that the cost model counts "
+      f"the chunked loss runs {MAXTEXT_ARGS['max_target_length'] // CHUNK_ROWS} chunks in a loop that the cost model counts "
       "once and the layer probes do not unroll, so this step estimate leaves out all but one "
       "chunk of the loss; the same products are counted whole in the logits variant, whose "
       "estimate is the better guess for this one: no step verdict is made on it")

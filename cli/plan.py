@@ -25,7 +25,7 @@ from ml_collections import config_flags
 from cli.parsing import parse, require
 from infer import compile_decode
 from train.plan.report import COST_DEFAULTS, format_plan, parse_mesh, plan
-from train.plan.targets import resolve
+from train.plan.targets import pallas_kernels, resolve
 
 
 def make_flags(argv: list[str]) -> flags.FlagValues:
@@ -108,7 +108,8 @@ def main(argv: list[str], command: str = "plan") -> None:
                          ("price_per_device_hour", target.chip.usd_per_hour)):
         if not fv[key].present:
           cost[key] = value
-          checkpointing.update({key: value} if key in checkpointing else {})
+          if key in checkpointing:
+            checkpointing[key] = value
     if fv["decode"].value and not (target and fv["compile"].value):
       raise ValueError("--decode compiles a decode step for a target: give --target and "
                        "--compile too")
@@ -135,4 +136,4 @@ def format_decode(d: dict) -> str:
   return (f"\ndecode step on one {d['device_kind']} ({d['target']}): batch {d['batch']}, "
           f"{d['context']} cached tokens a row: peak {d['peak'] / 2 ** 30:.3f} GiB, "
           f"{cost.get('bytes_accessed', 0) / 1e9:.3g} GB accessed{time}; "
-          f"{d['kernels'].get('tpu_custom_call', 0)} Pallas kernel(s)")
+          f"{pallas_kernels(d['kernels'])} Pallas kernel(s)")

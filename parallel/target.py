@@ -11,8 +11,8 @@ attention, the grouped matmul, the cache layouts), although `jax.default_backend
                      `jax.devices()`, where an unsharded computation runs
   device_kind(mesh)  e.g. "TPU v5 lite", "NVIDIA H100 80GB HBM3", "cpu"
 
-`compile_devices(name)` gives the compile-only devices of a target topology: a TPU slice by
-libtpu's name ("v5p:4x4x4") or a GPU node from an XLA GPU target config.
+`compile_devices(name)` gives the compile-only devices of a TPU slice by libtpu's name
+("v5p:4x4x4").
 """
 
 import jax
@@ -50,23 +50,13 @@ def device_kind(mesh: Mesh | AbstractMesh | None = None) -> str:
   return str(_device(mesh).device_kind)
 
 
-def compile_devices(topology: str, *, platform_name: str = "tpu", target_config: str = "",
-                    gpu_topology: str = "1x1x8") -> list:
-  """Compile-only devices of a target that this machine need not have.
-
-  TPU: `topology` is libtpu's name, e.g. "v5e:2x2", "v5p:4x4x4" (needs libtpu installed).
-  GPU: `platform_name="cuda"`, `target_config` the text of an XLA GPU target config
-  (`GpuTargetConfigProto`, e.g. XLA's h100_sxm.txtpb) and `gpu_topology` "slices x hosts x
-  devices per host" (needs the CUDA plugin). Raises ValueError naming what is missing.
-  """
-  kwargs = {}
-  if platform_name == "cuda":
-    if not target_config:
-      raise ValueError("a GPU compile target needs an XLA GPU target config (text proto)")
-    kwargs = dict(target_config=target_config, topology=gpu_topology)
+def compile_devices(topology: str) -> list:
+  """Compile-only devices of a TPU slice that this machine need not have: `topology` is
+  libtpu's name, e.g. "v5e:2x2", "v5p:4x4x4" (libtpu must be installed). Raises ValueError
+  naming what is missing."""
   try:
-    desc = topologies.get_topology_desc(topology_name=topology, platform=platform_name, **kwargs)
+    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
   except Exception as e:  # the plugin's own message says which name or library it lacks
-    raise ValueError(f"cannot make compile-only {platform_name} devices for {topology!r}: "
+    raise ValueError(f"cannot make compile-only TPU devices for {topology!r}: "
                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
   return list(desc.devices)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import parallel
 from layouts import COLLECTIVE, MODEL, MOE_MODEL, OPT, STEPS, uses_moe
 from train.optimizer import make_optimizer
+from train.plan.aot import kernel_counts
+from train.plan.targets import pallas_kernels
 from train.state import abstract_model, state_shardings
 from train.step import jit_train_step
 
@@ -46,7 +48,7 @@ def compile_layout(name: str, sizes: dict, devices) -> dict:
           "mesh": {k: v for k, v in mesh.shape.items() if v > 1},
           "collectives": dict(sorted(collections.Counter(
               m.group(1) for m in COLLECTIVE.finditer(hlo)).items())),
-          "pallas_kernels": hlo.count('custom_call_target="tpu_custom_call"')}
+          "pallas_kernels": pallas_kernels(kernel_counts(hlo))}
 
 
 def main():

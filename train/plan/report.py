@@ -136,9 +136,8 @@ def plan(config, devices: int, mesh=None, sharding=None, budget_gb=0.0, compile_
       cpu = planner.estimate(mesh, sharding, devices, compute_dtype="float32")
       out["comparison_cpu"] = compare(cpu["memory"]["total"], compiled)
   if budget_gb:
-    on_target = out.get("compiled", {}).get("platform") not in (None, "cpu")
     out["verdict"] = budget_verdict(budget_gb, est["memory"]["total"], out.get("compiled"),
-                                    w.model.dtype, on_target)
+                                    w.model.dtype, on_target=bool(compile_ and target))
   if do_suggest:
     out["suggestions"] = suggest(planner, devices, budget_gb * GiB, top, platform)
   return out

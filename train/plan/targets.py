@@ -49,7 +49,7 @@ class Target:
 
   def devices(self) -> list:
     """The target's compile-only devices (ValueError naming what is missing)."""
-    devices = parallel.compile_devices(self.name, platform_name="tpu")
+    devices = parallel.compile_devices(self.name)
     if len(devices) != self.chips:
       raise ValueError(f"target {self.name}: libtpu made {len(devices)} devices, expected "
                        f"{self.chips}")
