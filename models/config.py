@@ -64,6 +64,8 @@ class ModelConfig:
                                  # a one-device CPU process, einsum elsewhere
   xent: str = "logits"           # training loss (models/xent.py): logits | chunked (fused with
                                  # the unembedding: less memory, no faster on a CPU)
+  xent_unroll: bool = False      # chunked: unroll the chunk loop (compile probes: a cost model
+                                 # counts a loop body once)
   # Architecture (models/registry.py). The same Attention/MLP/norm modules serve every one.
   arch: str = "decoder"          # decoder | prefix_lm (bidirectional prompt) | encoder | encoder_decoder
   norm: str = "rms"              # rms (RMSNorm, T5's layer norm too) | layer (LayerNorm with bias)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from models import xent
 from models.config import ModelConfig
-from models.layers import Norm, lookup, normal_param, project
+from models.layers import Norm, cast, lookup, normal_param, project
 from parallel import constrain
 
 
@@ -82,7 +82,7 @@ class Embeddings(nnx.Module):
   def xent_sum(self, x_BTD, targets_BT, weights_BT) -> jax.Array:
     """sum(weights_BT * CE(logits_BTV, targets_BT)) from final hidden states, without ever
     holding logits_BTV whole: what `token_losses` of `unembed` gives, summed."""
-    d = x_BTD.shape[-1]
-    return xent.xent_sum(x_BTD.reshape(-1, d), self._out_table()[...], targets_BT.reshape(-1),
-                         weights_BT.reshape(-1), vocab_major=self.cfg.tie_embeddings,
-                         dtype=self.cfg.jnp_dtype)
+    x_BTD = constrain(x_BTD, ("act_batch", "act_seq", "act_embed"))  # as `unembed` gathers it
+    return xent.xent_sum(x_BTD, cast(self._out_table(), self.cfg.jnp_dtype), targets_BT, weights_BT,
+                         vocab_major=self.cfg.tie_embeddings, dtype=self.cfg.jnp_dtype,
+                         unroll=self.cfg.xent_unroll)

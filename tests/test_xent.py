@@ -2,6 +2,8 @@
 whole logits, in value and gradients, and training takes it without the [B, T, V] logits."""
 
 import dataclasses
+import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,19 +12,20 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import run_worker
 from models import ConfigError, ModelConfig, create_model
 from models import xent
 from train.step import forward_loss
 
-M, D, V = 37, 16, 53  # odd sizes, so chunks need padding
+B, T, D, V = 3, 12, 16, 53  # odd sizes
 
 
 def _inputs(dtype=jnp.float32):
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((M, D)), dtype)
+  x = jnp.asarray(rng.standard_normal((B, T, D)), dtype)
   w = jnp.asarray(rng.standard_normal((D, V)) * 0.3, jnp.float32)
-  targets = jnp.asarray(rng.integers(0, V, M), jnp.int32)
-  weights = jnp.asarray(rng.integers(0, 2, M), jnp.float32)  # a mask with zeros in it
+  targets = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  weights = jnp.asarray(rng.integers(0, 2, (B, T)), jnp.float32)  # a mask with zeros in it
   return x, w, targets, weights
 
 
@@ -31,15 +34,16 @@ def _reference(x, w_DV, targets, weights):
   return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, M, None])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 12, None])
 @pytest.mark.parametrize("vocab_major", [False, True])
-def test_loss_and_gradients_equal_whole_logits(rows, vocab_major):
+@pytest.mark.parametrize("unroll", [False, True])
+def test_loss_and_gradients_equal_whole_logits(chunks, vocab_major, unroll):
   x, w_DV, targets, weights = _inputs()
   w = w_DV.T if vocab_major else w_DV
 
   def fused(x, w):
     return xent.xent_sum(x, w, targets, weights, vocab_major=vocab_major, dtype=jnp.float32,
-                         rows=rows)
+                         chunks=chunks, unroll=unroll)
 
   def ref(x, w):
     return _reference(x, w.T if vocab_major else w, targets, weights)
@@ -50,14 +54,14 @@ def test_loss_and_gradients_equal_whole_logits(rows, vocab_major):
   for got, exp in zip(grads, want):
     assert got.shape == exp.shape and got.dtype == exp.dtype
     np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-6)
-  # Masked rows get no gradient at all.
+  # Masked positions get no gradient at all.
   assert not np.any(np.asarray(grads[0])[np.asarray(weights) == 0])
 
 
 def test_the_upstream_cotangent_scales_the_gradients():
   x, w, targets, weights = _inputs()
   f = lambda x, w: 3.0 * xent.xent_sum(x, w, targets, weights, vocab_major=False,
-                                       dtype=jnp.float32, rows=8)
+                                       dtype=jnp.float32, chunks=4)
   g = lambda x, w: 3.0 * _reference(x, w, targets, weights)
   for got, exp in zip(jax.grad(f, (0, 1))(x, w), jax.grad(g, (0, 1))(x, w)):
     np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-6)
@@ -66,7 +70,7 @@ def test_the_upstream_cotangent_scales_the_gradients():
 def test_bfloat16_compute_keeps_float32_accumulation():
   x, w, targets, weights = _inputs(jnp.bfloat16)
   loss, (gx, gw) = jax.value_and_grad(lambda x, w: xent.xent_sum(
-      x, w, targets, weights, vocab_major=False, dtype=jnp.bfloat16, rows=8), (0, 1))(x, w)
+      x, w, targets, weights, vocab_major=False, dtype=jnp.bfloat16, chunks=4), (0, 1))(x, w)
   want, (rx, rw) = jax.value_and_grad(lambda x, w: _reference(x, w, targets, weights),
                                       (0, 1))(x, w)
   assert loss.dtype == jnp.float32 and gx.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
@@ -76,12 +80,20 @@ def test_bfloat16_compute_keeps_float32_accumulation():
   np.testing.assert_allclose(gw, rw, rtol=3e-2, atol=3e-3)
 
 
-@pytest.mark.parametrize("m, most", [(2048, None), (37, 8), (1, None), (10_000, 3), (513, 512)])
-def test_chunk_rows_keeps_within_the_cap_and_pads_little(m, most):
-  rows = xent.chunk_rows(m, most)
-  chunks = -(-m // rows)
-  assert 1 <= rows <= min(m, most or xent.CHUNK_ROWS)
-  assert chunks * rows - m < chunks
+@pytest.mark.parametrize("rows, seq, most, want", [
+    (1, 8192, None, 16), (2, 8192, None, 32), (4, 16, 8, 8), (1, 37, 8, 37), (3, 12, 1000, 1),
+    (1, 1, None, 1), (5, 12, 8, 12)])
+def test_num_chunks_is_the_fewest_dividing_the_sequence_within_the_cap(rows, seq, most, want):
+  n = xent.num_chunks(rows, seq, most)
+  assert n == want and seq % n == 0
+  assert rows * seq <= (most or xent.CHUNK_ROWS) * n or n == seq
+  assert all(seq % k or rows * seq > (most or xent.CHUNK_ROWS) * k for k in range(1, n))
+
+
+def test_chunks_that_do_not_divide_the_sequence_are_refused():
+  x, w, targets, weights = _inputs()
+  with pytest.raises(ValueError, match="5 loss chunks do not divide the sequence length 12"):
+    xent.xent_sum(x, w, targets, weights, vocab_major=False, dtype=jnp.float32, chunks=5)
 
 
 TINY = dict(vocab_size=97, d_model=24, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48,
@@ -104,7 +116,7 @@ def _batch(cfg, b=2, t=16):
                                     dict(TINY, arch="prefix_lm")])
 def test_training_loss_and_gradients_match_the_logits_path(values, monkeypatch):
   """forward_loss with xent=chunked against xent=logits: same params, same batch."""
-  monkeypatch.setattr(xent, "CHUNK_ROWS", 8)  # 4 chunks of the 32 rows
+  monkeypatch.setattr(xent, "CHUNK_ROWS", 8)  # 4 chunks of 2 rows x 4 positions
   base = ModelConfig(**values, xent="logits")
   model = create_model(base, nnx.Rngs(0))
   graphdef, params = nnx.split(model)
@@ -149,3 +161,20 @@ def test_chunked_on_a_model_without_a_decoder_head_is_refused():
     ModelConfig(**dict(TINY, arch="encoder", num_classes=2), xent="chunked")
   with pytest.raises(ConfigError, match="model.xent='fused'; choose one of"):
     ModelConfig(**TINY, xent="fused")
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "sequence", "fsdp+tensor"])
+def test_sharded_chunks_stay_on_their_devices(layout):
+  """On 8 devices (tests/workers/xent_sharded.py) the chunk loop runs over each device's own
+  positions: as many trips as one device's chunks, no collective of a chunk's logits (only
+  the vocabulary split's row statistics and dx, as for whole logits), the output table
+  gathered at most once, and the same loss and gradients as whole logits."""
+  facts = json.loads(run_worker("xent_sharded.py", layout).stdout.strip().splitlines()[-1])
+  assert facts["chunks"] > 1 and facts["trips"] == [facts["chunks"]], facts
+  shapes = [re.findall(r"\[([\d,]*)\]", t) for t, _ in facts["collectives"]]
+  logits_like = [s for group in shapes for s in group
+                 if len(s.split(",")) >= 3 and int(s.split(",")[-1]) in (320, 160)]
+  assert not logits_like, facts["collectives"]
+  assert sum(op == "all-gather" for _, op in facts["collectives"]) <= 1, facts["collectives"]
+  np.testing.assert_allclose(facts["loss"], facts["want"], rtol=1e-5)
+  assert facts["gx_err"] <= 0.02 * facts["gx_scale"] and facts["gw_err"] <= 0.02 * facts["gw_scale"]

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
+from models import xent
 from models.attention import AUTO_NAIVE_MAX_SCORES
 from parallel.mesh import MESH_AXES, resolve_axis_sizes
 from parallel.rules import BATCH_AXES, LOGICAL_AXES, get_layout, logical_shardings, logical_to_spec
@@ -267,8 +268,17 @@ class Planner:
     # pass, and one layer's backward (score gradients, plus what the policy recomputes).
     # The final norm works on the residual stream (X); the unembedding's input (in c) and its
     # gradient (f) are gathered over positions first (Xs; models/embedding.py).
-    logits = m * (LOSS_BUFFERS[platform] * loc["V"] * F32 + loc["X"] * 3 * F32
-                  + loc["Xs"] * (F32 + c))
+    hidden = loc["X"] * 3 * F32 + loc["Xs"] * (F32 + c)
+    if cfg.xent == "chunked" and cfg.arch in ("decoder", "prefix_lm"):
+      # models/xent.py: the output table gathered (in c), its gradient's accumulator and one
+      # chunk's product with it (c), and one chunk's logits, softmax and gradient (f).
+      v_local = _local((cfg.vocab_size,), ("act_vocab",), rules, mesh, sizes)
+      b_local = _local((rows,), ("act_batch",), rules, mesh, sizes)
+      t_local = _local((t,), ("act_seq",), rules, mesh, sizes)
+      chunk = b_local * t_local / xent.num_chunks(b_local, t_local)
+      logits = 3 * d * v_local * c + m * (3 * chunk * v_local * F32 + hidden)
+    else:
+      logits = m * (LOSS_BUFFERS[platform] * loc["V"] * F32 + hidden)
     if cfg.remat == "none":  # score gradients (2 float32 buffers) and the boolean mask
       transient = dict(logits_and_layer_backward=logits + loc["S"] * (2 * F32 + 1))
     else:  # the recomputed scores' buffer is reused for their gradient
