@@ -7,9 +7,11 @@
 
 Without --mesh/--sharding the config's `mesh` and `sharding` are planned. What each part
 of the report assumes: train/plan/report.py. --target names a TPU slice as libtpu does
-(v4/v5e/v5p/v6e:AxB[xC]): it sets --devices to its chips and the cost model's peak and
-price to the chip's, and --compile then compiles the step with that chip's own compiler
-(deviceless; libtpu must be installed: pip install 'meshlm[tpu]'), reporting its per-chip
+(v4/v5e/v5p/v6e:AxB[xC]) or a GPU node by chip and count (h100xN, a100xN): it sets
+--devices to its chips and the cost model's peak and price to the chip's, and --compile
+then compiles the step with that chip's own compiler (deviceless; libtpu must be installed,
+pip install 'meshlm[tpu]', or for a GPU JAX's CUDA plugin, pip install 'meshlm[gpu]'),
+reporting its per-chip
 peak against the chip's HBM, its kernels and a step-time estimate
 (train/plan/compile_target.py); --decode adds one decode step of the config's model
 (a token per row against a paged cache of --decode_context tokens) compiled on one chip,
@@ -47,7 +49,8 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   flags.DEFINE_integer("decode_context", 1024, "--decode: tokens already in each row's cache",
                        flag_values=fv)
   flags.DEFINE_string("target", None, "compile target, a TPU slice by libtpu's name, e.g. "
-                      "v5p:4x4x4 (its chip count is --devices)", flag_values=fv)
+                      "v5p:4x4x4, or a GPU node, e.g. h100x8 (its chip count is --devices)",
+                      flag_values=fv)
   flags.DEFINE_bool("json", False, "print one JSON document", flag_values=fv)
   flags.DEFINE_integer("top", 10, "suggestions to show", flag_values=fv)
   flags.DEFINE_bool("suggest", True, "enumerate and rank other layouts", flag_values=fv)

@@ -11,9 +11,13 @@ attention, the grouped matmul, the cache layouts), although `jax.default_backend
                      `jax.devices()`, where an unsharded computation runs
   device_kind(mesh)  e.g. "TPU v5 lite", "NVIDIA H100 80GB HBM3", "cpu"
 
-`compile_devices(name)` gives the compile-only devices of a TPU slice by libtpu's name
-("v5p:4x4x4").
+`compile_devices(name)` gives compile-only devices: of a TPU slice by libtpu's name
+("v5p:4x4x4"), or of a GPU node by chip and count ("h100x8"), from XLA's description of
+that GPU (gpu_targets/, with its source) and the CUDA plugin's compiler.
 """
+
+import os
+import re
 
 import jax
 from jax.experimental import topologies
@@ -22,6 +26,10 @@ from jax.sharding import AbstractMesh, Mesh
 PLATFORMS = ("cpu", "gpu", "tpu")
 # PJRT spells GPUs by their runtime; a kernel choice only cares that it is a GPU.
 _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+_GPU_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
+# GPU node names ("h100x8") to XLA's target configs (gpu_targets/README.md: sources).
+GPU_TARGETS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb"}
+GPUS_PER_HOST = 8
 
 
 def _device(mesh):
@@ -51,12 +59,38 @@ def device_kind(mesh: Mesh | AbstractMesh | None = None) -> str:
 
 
 def compile_devices(topology: str) -> list:
-  """Compile-only devices of a TPU slice that this machine need not have: `topology` is
-  libtpu's name, e.g. "v5e:2x2", "v5p:4x4x4" (libtpu must be installed). Raises ValueError
-  naming what is missing."""
+  """Compile-only devices of a target this machine need not have: a TPU slice by libtpu's
+  name ("v5e:2x2", "v5p:4x4x4"; libtpu must be installed) or a GPU node, "h100x8" (the CUDA
+  plugin must be installed, `pip install 'meshlm[gpu]'`). Raises ValueError naming what is
+  missing."""
+  gpu = re.fullmatch(r"([a-z]\d+)x(\d+)", topology)
   try:
+    if gpu:
+      return _gpu_devices(gpu.group(1), int(gpu.group(2)))
     desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  except ValueError:
+    raise
   except Exception as e:  # the plugin's own message says which name or library it lacks
-    raise ValueError(f"cannot make compile-only TPU devices for {topology!r}: "
+    raise ValueError(f"cannot make compile-only devices for {topology!r}: "
                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+  return list(desc.devices)
+
+
+def _gpu_devices(chip: str, count: int) -> list:
+  if chip not in GPU_TARGETS:
+    raise ValueError(f"GPU target {chip}x{count}: no XLA target config for {chip!r}; known: "
+                     f"{sorted(GPU_TARGETS)}")
+  if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST):
+    raise ValueError(f"GPU target {chip}x{count}: give up to {GPUS_PER_HOST} GPUs, or a multiple "
+                     f"of {GPUS_PER_HOST} (hosts of {GPUS_PER_HOST})")
+  hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST,
+                                                               GPUS_PER_HOST)
+  with open(os.path.join(_GPU_SPECS, GPU_TARGETS[chip])) as f:
+    spec = f.read()
+  try:
+    desc = topologies.get_topology_desc(platform="cuda", target_config=spec,
+                                        topology=f"1x{hosts}x{per_host}")
+  except NotImplementedError as e:  # no CUDA plugin registered in this process
+    raise ValueError(f"GPU target {chip}x{count} needs JAX's CUDA plugin (pip install "
+                     f"'meshlm[gpu]'; no GPU is needed to compile): {e}") from e
   return list(desc.devices)

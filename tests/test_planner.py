@@ -5,16 +5,20 @@ before JAX starts): tests/workers/planner_compile.py for the small model on 8
 devices, and train.plan.aot's own subprocess for the pod configs (64 and 256 devices).
 """
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+import parallel
 from cli import plan as plan_cmd
 from conftest import REPO, device_env
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod
+from infer import compile_decode
 from train.defaults import base_config
 from train.plan import compile_target, targets
 from train.plan import report as plan_report
@@ -178,7 +182,10 @@ def test_target_names_and_their_errors():
   t = targets.resolve("v5p:4x4x4")
   assert (t.version, t.chips, t.chip.hbm_gib, t.chip.peak_tflops) == ("v5p", 64, 95.0, 459.0)
   assert targets.resolve("v5e:2x2").chips == 4
-  for bad in ("v9x:2x2", "h100x8", "v5p", "v5p:4x"):
+  g = targets.resolve("h100x8")
+  assert (g.version, g.chips, g.chip.platform, g.chip.peak_tflops) == ("h100", 8, "gpu", 989.0)
+  assert targets.resolve("a100x16").chips == 16
+  for bad in ("v9x:2x2", "b200x8", "h100x0", "h100:2x2", "v5p", "v5p:4x"):
     with pytest.raises(ValueError, match="not a known target"):
       targets.resolve(bad)
   _fails("--target", "v9x:2x2", match="--target 'v9x:2x2': not a known target")
@@ -197,6 +204,38 @@ def test_target_sets_devices_and_the_chips_cost_figures(capsys):
   assert json.loads(capsys.readouterr().out)["cost"]["price_per_device_hour"] == 1.5
 
 
+@pytest.mark.parametrize("chip", sorted(parallel.GPU_TARGETS))
+def test_gpu_targets_are_xlas_configs_with_the_memory_the_planner_uses(chip):
+  """The committed target config is XLA's text proto for that GPU, and the chip's HBM in the
+  cost table is its device memory, which the compiler plans against."""
+  path = os.path.join(os.path.dirname(parallel.target.__file__), "gpu_targets",
+                      parallel.GPU_TARGETS[chip])
+  text = open(path).read()
+  assert "gpu_device_info {" in text and "Licensed under the Apache License" in text
+  memory = int(re.search(r"device_memory_size: (\d+)", text).group(1))
+  assert targets.CHIPS[chip].hbm_gib == memory / targets.GiB
+  assert chip.upper() in re.search(r'device_description_str: "(.*)"', text).group(1)
+
+
+def test_gpu_devices_or_what_to_install():
+  """This suite installs no CUDA plugin (meshlm[gpu], ~5 GB): without it a GPU target names
+  the install; with it (in a subprocess: the plugin is found at JAX's start) the devices are
+  the target config's GPUs. The 8B compile is recorded in docs/results/gpu/."""
+  if not (importlib.util.find_spec("jax_plugins")
+          and importlib.util.find_spec("jax_plugins.xla_cuda12")):
+    with pytest.raises(ValueError, match=r"h100x8 needs JAX's CUDA plugin \(pip install "
+                                         r"'meshlm\[gpu\]'"):
+      parallel.compile_devices("h100x8")
+  else:
+    code = ("import parallel; d = parallel.compile_devices('h100x8'); "
+            "print(len(d), parallel.platform(parallel.make_mesh({'fsdp': 8}, d)), d[0].device_kind)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True).stdout
+    assert out.split()[:2] == ["8", "gpu"] and "H100" in out
+  with pytest.raises(ValueError, match="give up to 8 GPUs, or a multiple of 8"):
+    parallel.compile_devices("h100x12")
+
+
 def test_step_cost_extrapolates_layer_probes():
   one = dict(flops=10.0, bytes_accessed=100.0, optimal_seconds=1.0)
   two = dict(flops=14.0, bytes_accessed=130.0, optimal_seconds=1.5)
@@ -205,4 +244,13 @@ def test_step_cost_extrapolates_layer_probes():
                      optimal_seconds=4 * (1 + 31 * 0.5))
   probe = compile_target.probe_config(llama3_8b_pod.get_config(), 2)
   assert (probe.batch_size, probe.grad_accum, probe.model.num_layers) == (64, 1, 2)
-  assert probe.model.scan_layers is False
+  assert probe.model.scan_layers is False and probe.model.xent_unroll is True
+
+
+def test_decode_time_estimate_adds_back_the_calls_without_a_cost_model():
+  """libtpu's cost model counts each ConcatBitcast custom call as -1 s (every decode compile
+  in docs/results/tpu/quant_decode_v5e.json came out at -n s plus milliseconds)."""
+  facts = dict(cost=dict(optimal_seconds=-68.99243), kernels={"ConcatBitcast": 69, "X": 2})
+  assert compile_decode.seconds_estimate(facts) == pytest.approx(0.00757, abs=1e-5)
+  assert compile_decode.seconds_estimate(dict(facts, kernels={"ConcatBitcast": 68})) is None
+  assert compile_decode.seconds_estimate(dict(cost=None, kernels={})) is None

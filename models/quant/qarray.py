@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import parallel
 from models.quant.formats import QuantFormat, dequantize_values
 
 _STATIC = dict(static=True)
@@ -144,8 +145,10 @@ class QArray:
                        f"'{batch}{self.in_letters},{self.letters}->{batch}{self.out_letters}'")
     groups = self.scale.shape[-1 if self.out_first else 0]
     x_NGg = x.reshape(-1, groups, self.k // groups).astype(dtype)
-    # The integer dot reads the codes as they lie: no float slice to keep in cache.
-    count, width = (1, self.m) if self.fmt.act8 else _slices(self.k, self.m)
+    # The integer dot reads the codes as they lie: no float slice to keep in cache; nor does
+    # an accelerator's dot (matmul_groups), and a loop of slices would only serialize it.
+    whole = self.fmt.act8 or parallel.platform() != "cpu"
+    count, width = (1, self.m) if whole else _slices(self.k, self.m)
     if count <= 1:
       y_NM = self.matmul_groups(x_NGg, dtype, preferred_element_type)
     else:
@@ -180,6 +183,8 @@ class QArray:
     """y_NM = x @ w for x already cut into this weight's G groups of g rows (see `einsum`)."""
     if self.fmt.act8:
       return self.int_matmul_groups(x_NGg).astype(preferred_element_type or dtype)
+    if parallel.platform() != "cpu":
+      return self.scaled_matmul_groups(x_NGg, dtype).astype(preferred_element_type or dtype)
     # One contraction axis (groups and rows flattened): XLA:CPU runs a dot with two
     # contracting axes several times slower.
     y_NM = None
@@ -194,6 +199,34 @@ class QArray:
                           preferred_element_type=preferred_element_type or jnp.float32)
       y_NM = part if y_NM is None else y_NM + part
     return y_NM.astype(preferred_element_type or dtype)
+
+  def scaled_matmul_groups(self, x_NGg, dtype) -> jax.Array:
+    """Weight-only, for an accelerator: the codes enter the dot converted to `dtype` (exact:
+    at most 8 bits) and the scales apply to its [G, N, M] output, y = sum_G scale (D - z X)
+    (+ offset X), D = sum_g x u, X = sum_g x. So the compiler reads the codes inside the
+    dot and never writes a float copy of the weight; dequantizing first (the CPU path) made
+    the TPU compiler write one, and a batch-1 step read more bytes than in float."""
+    d_GNM = None
+    for codes, rows in self._planes():
+      u = codes.astype(dtype)
+      spec = "NGr,MGr->GNM" if self.out_first else "NGr,GrM->GNM"
+      part = jnp.einsum(spec, x_NGg[:, :, rows], u, preferred_element_type=jnp.float32)
+      d_GNM = part if d_GNM is None else d_GNM + part
+    per_group = (lambda a: a.T) if self.out_first else (lambda a: a)  # [G, M]
+    scale_G1M = per_group(self.scale.astype(jnp.float32))[:, None]
+    fmt = self.fmt
+    if fmt.symmetric or fmt.int_zero:
+      if fmt.int_zero:
+        zero = per_group(self.offset.astype(jnp.float32))[:, None]
+      else:
+        zero = 0.0 if fmt.signed_codes else 8.0 if fmt.bits == 4 else 128.0
+      if isinstance(zero, float) and zero == 0.0:
+        return jnp.sum(scale_G1M * d_GNM, axis=0)
+      x_GN1 = jnp.sum(x_NGg.astype(jnp.float32), axis=-1).T[..., None]
+      return jnp.sum(scale_G1M * (d_GNM - zero * x_GN1), axis=0)
+    x_GN1 = jnp.sum(x_NGg.astype(jnp.float32), axis=-1).T[..., None]
+    offset_G1M = per_group(self.offset.astype(jnp.float32))[:, None]
+    return jnp.sum(scale_G1M * d_GNM + offset_G1M * x_GN1, axis=0)
 
   def int_matmul_groups(self, x_NGg) -> jax.Array:
     """W8A8 / W4A8: x quantized to int8 per row and group (absmax), an int32 dot with the

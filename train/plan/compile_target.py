@@ -8,7 +8,7 @@ platform (`parallel.platform`) and picks its kernels, then compiles
 
 The compiler's `cost_analysis()` counts a loop body once: the layer scan and the
 gradient-accumulation loop. So two probes compile the same step with 1 and 2 layers,
-unrolled (`model.scan_layers=False`), on one microbatch (grad_accum 1,
+unrolled (`model.scan_layers=False`, and the chunked loss's loop: `model.xent_unroll`), on one microbatch (grad_accum 1,
 batch_size / grad_accum rows): per layer = probe2 − probe1, and the step is
 grad_accum × (probe1 + (L − 1) × per layer). The optimizer update is thereby counted
 grad_accum times, an overcount of its small share. The estimate is `optimal_seconds`,
@@ -36,19 +36,21 @@ from typing import Mapping
 from ml_collections import ConfigDict
 
 from train.plan.aot import compile_memory
-from train.plan.targets import GiB, pallas_kernels, resolve, step_economics
+from train.plan.targets import GiB, cudnn_kernels, pallas_kernels, resolve, step_economics
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _COST_KEYS = ("flops", "bytes_accessed", "optimal_seconds")
 
 
 def probe_config(config: ConfigDict, layers: int) -> ConfigDict:
-  """`config` at `layers` unrolled layers and one microbatch (grad_accum 1)."""
+  """`config` at `layers` unrolled layers, its loss chunks unrolled, one microbatch
+  (grad_accum 1)."""
   c = ConfigDict(config.to_dict())
   c.batch_size = int(config.batch_size) // int(config.grad_accum)
   c.grad_accum = 1
   c.model.num_layers = layers
   c.model.scan_layers = False
+  c.model.xent_unroll = True  # the chunked loss's loop too (models/xent.py)
   return c
 
 
@@ -72,6 +74,10 @@ def compile_for_target(config, target: str, mesh_sizes: Mapping[str, int], shard
   out.update(target=tgt.name, chips=tgt.chips, step_cost=None, step_cost_note="")
   if not probes:
     out["step_cost_note"] = "not asked for"
+    return out
+  if not out["cost"]:  # XLA's GPU compiler has none
+    out["step_cost_note"] = (f"the {out['platform'].upper()} compiler gives no cost analysis: "
+                             "no estimate")
     return out
   if int(dict(mesh_sizes).get("pipeline", 1)) > 1:
     out["step_cost_note"] = ("a pipeline runs its schedule in a loop that the cost model "
@@ -134,7 +140,8 @@ def summary(raw: dict, estimate_bytes: float, step_flops: float, tokens_per_step
       platform=raw["platform"], device_kind=raw["device_kind"], target=tgt.name,
       chips=tgt.chips, peak_gib=peak / GiB, hbm_gib=tgt.chip.hbm_gib,
       fits=peak <= tgt.chip.hbm_gib * GiB,
-      kernels=dict(pallas=pallas_kernels(raw["kernels"]), custom_calls=raw["kernels"]),
+      kernels=dict(pallas=pallas_kernels(raw["kernels"]), cudnn=cudnn_kernels(raw["kernels"]),
+                   custom_calls=raw["kernels"]),
       collectives=raw["collectives"], compile_seconds=raw["compile_seconds"],
       memory=dict(argument=raw["argument"], output=raw["output"], alias=raw["alias"],
                   temp=raw["temp"], peak=peak),
@@ -158,7 +165,7 @@ def format_summary(c: dict, ratio: float | None) -> list[str]:
            f"{c['platform']}) by its own compiler, deviceless ({c['compile_seconds']:.0f} s):",
            f"  per-chip peak {c['peak_gib']:.2f} GiB of {c['hbm_gib']:g} GiB HBM: {fits}"
            + (f"; planner estimate / compiled = {ratio:.2f}" if ratio else ""),
-           f"  kernels: {c['kernels']['pallas']} Pallas; custom calls "
+           f"  kernels: {c['kernels']['pallas']} Pallas, {c['kernels']['cudnn']} cuDNN; custom calls "
            + (", ".join(f"{k} x{v}" for k, v in c["kernels"]["custom_calls"].items()) or "none")]
   if c["collectives"]:
     lines.append("  collectives: " + ", ".join(f"{k} x{v}" for k, v in c["collectives"].items()))
