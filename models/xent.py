@@ -53,7 +53,9 @@ def xent_sum(x_BTD, w, targets_BT, weights_BT, *, vocab_major: bool, dtype,
 
   w is the table as stored: [V, D] with vocab_major (tied embeddings), else [D, V];
   the matmuls run in `dtype` with float32 accumulation, like models/layers.project
-  with preferred_element_type=float32. weights_BT gets no gradient (it is a mask).
+  with preferred_element_type=float32; the table's gradient sums the chunks in `dtype` (a
+  float32 sum would hold 2 GiB more for llama3_8b_pod; in bfloat16 it rounds once per chunk
+  where whole logits round once). weights_BT gets no gradient (it is a mask).
   `chunks` must divide T (default: `num_chunks` of one device's share); `unroll` unrolls
   their loop (compile probes do, so that a cost model counts every chunk).
   """
