@@ -15,8 +15,8 @@ Train it (set the data and a Llama-3 tokenizer first; one process per host):
 Each device takes one 8192-token row per microbatch (grad_accum=4 keeps 256 rows = 2M
 tokens per step): where no flash kernel runs (CPUs), a layer's scores are
 batch·heads·seq² floats, 8 GiB per row in float32. On a TPU, `--config.model.xent=chunked`
-(models/xent.py) fuses the loss with the unembedding and holds 10.45 GiB per chip instead
-of 13.70 (docs/results.md, "Compiled for the target").
+(models/xent.py) fuses the loss with the unembedding and holds 9.73 GiB per chip instead
+of 13.75 (docs/results.md, "Compiled for the target").
 """
 
 from train.defaults import base_config

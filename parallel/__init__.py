@@ -9,4 +9,5 @@ from parallel.pipeline import (SCHEDULES, PipelineConfig, current_pipeline, meas
                                schedule_table, theoretical_bubble)
 from parallel.expert import (check_experts_divide, expert_axes, expert_parallel_size,
                              shard_map_logical)
-from parallel.target import GPU_TARGETS, PLATFORMS, compile_devices, device_kind, platform
+from parallel.target import (GPU_TARGETS, PLATFORMS, compile_devices, device_kind, platform,
+                             tpu_slice)

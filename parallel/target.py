@@ -67,13 +67,30 @@ def compile_devices(topology: str) -> list:
   try:
     if gpu:
       return _gpu_devices(gpu.group(1), int(gpu.group(2)))
-    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    desc = topologies.get_topology_desc(platform="tpu", **tpu_slice(topology))
   except ValueError:
     raise
   except Exception as e:  # the plugin's own message says which name or library it lacks
     raise ValueError(f"cannot make compile-only devices for {topology!r}: "
                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
   return list(desc.devices)
+
+
+def tpu_slice(topology: str) -> dict:
+  """libtpu's description of the slice named `topology` ("v5p:4x4x4"): as Cloud TPU builds
+  it and MaxText's train_compile describes it (its accelerator_to_spec_map): wraparound links
+  in every dimension of a 3-D slice (v4, v5p) whose sides are all >= 4, and in a full 16x16
+  v5e/v6e pod; megacore chips on v4/v5p; 2x2x1 chips per host. libtpu's defaults (no
+  wraparound) describe a different network, for which it compiles other collectives."""
+  version, _, grid = topology.partition(":")
+  dims = [int(x) for x in grid.split("x")] if grid and grid.replace("x", "").isdigit() else []
+  three_d = version in ("v4", "v5p")
+  if three_d:
+    wrap = (min(dims, default=0) >= 4,) * 3
+  else:
+    wrap = (dims == [16, 16],) * 2 + (False,)
+  return dict(topology_name=topology, chip_config_name="megacore" if three_d else "default",
+              chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=wrap)
 
 
 def _gpu_devices(chip: str, count: int) -> list:

@@ -15,6 +15,7 @@ import pytest
 from conftest import LAYOUTS, run_worker
 from deps import require
 
+import parallel
 from experiments import llama3_8b_pod, llama_70b_pod, mixtral_8x7b_pod, moe_shakespeare, quickstart
 from infer import compile_decode
 from train.plan import compile_target, targets
@@ -166,3 +167,16 @@ def test_quantized_matmuls_read_their_codes_once_on_a_tpu():
     assert f["platform"] == "tpu", f
     assert f["loops"] == f["code_copies"] == f["float_weights"] == 0, (name, f)
     assert f["bytes_accessed"] <= 1.5 * f["weight_bytes"], (name, f)
+
+
+def test_a_v5p_slice_is_the_wrapped_torus_and_the_mesh_follows_it():
+  """compile_devices describes a slice as Cloud TPU builds it (parallel.tpu_slice) and
+  make_mesh lays TPU chips out by topology: an FSDP weight gather over 64 v5p chips stays an
+  all-gather (libtpu's default slice or the device list's order made it an all-reduce)."""
+  assert parallel.tpu_slice("v5p:4x4x4")["wrap"] == (True, True, True)
+  assert parallel.tpu_slice("v5p:2x4x4")["wrap"] == (False, False, False)
+  assert parallel.tpu_slice("v5e:16x16")["wrap"] == (True, True, False)
+  assert parallel.tpu_slice("v5e:2x4")["chip_config_name"] == "default"
+  out = run_worker("tpu_gather.py", env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                             ALLOW_MULTIPLE_LIBTPU_LOAD="1", PYTHONPATH=REPO))
+  assert json.loads(out.stdout.strip().splitlines()[-1]) == {"all-gather": 1, "all-reduce": 0}
