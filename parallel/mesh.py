@@ -50,7 +50,7 @@ def make_mesh(sizes: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
   order, libtpu decomposed an FSDP all-gather over a v5p slice into an all-reduce, twice the
   traffic. Other devices, and TPUs across processes (whose boxes `process_mesh` needs along
   the leading axes), keep the order given."""
-  devices = jax.devices() if devices is None else list(devices)
+  devices = jax.devices() if devices is None else list(np.asarray(devices).flat)
   resolved = resolve_axis_sizes(sizes, len(devices))
   shape = tuple(resolved[a] for a in MESH_AXES)
   if devices[0].platform == "tpu" and jax.process_count() == 1:
