@@ -45,11 +45,10 @@ def make_mesh(sizes: Mapping[str, int], devices=None) -> jax.sharding.Mesh:
   """A mesh over all (or the given) devices, with axes in MESH_AXES order.
 
   TPU chips driven by one process (one host, or a compile-only slice) are laid out by their
-  physical topology
-  (`mesh_utils.create_device_mesh`), so that a mesh axis follows the torus's links: in list
-  order, libtpu decomposed an FSDP all-gather over a v5p slice into an all-reduce, twice the
-  traffic. Other devices, and TPUs across processes (whose boxes `process_mesh` needs along
-  the leading axes), keep the order given."""
+  physical topology (`mesh_utils.create_device_mesh`), so that a mesh axis follows the
+  torus's links: in list order, libtpu decomposed an FSDP all-gather over a v5p slice into an
+  all-reduce, twice the traffic. Other devices, and TPUs across processes (whose boxes
+  `process_mesh` needs along the leading axes), keep the order given."""
   devices = jax.devices() if devices is None else list(np.asarray(devices).flat)
   resolved = resolve_axis_sizes(sizes, len(devices))
   shape = tuple(resolved[a] for a in MESH_AXES)

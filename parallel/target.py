@@ -64,16 +64,23 @@ def compile_devices(topology: str) -> list:
   plugin must be installed, `pip install 'meshlm[gpu]'`). Raises ValueError naming what is
   missing."""
   gpu = re.fullmatch(r"([a-z]\d+)x(\d+)", topology)
+  if gpu:
+    return _gpu_devices(gpu.group(1), int(gpu.group(2)))
+  return _devices(f"TPU slice {topology}", "libtpu (pip install 'meshlm[tpu]')", platform="tpu",
+                  **tpu_slice(topology))
+
+
+def _devices(name: str, needs: str, **desc) -> list:
+  """`topologies.get_topology_desc(**desc).devices`; ValueError naming what is missing: the
+  plugin (`needs`: JAX has none registered for the platform) or, in the plugin's own words,
+  the name or library it lacks."""
   try:
-    if gpu:
-      return _gpu_devices(gpu.group(1), int(gpu.group(2)))
-    desc = topologies.get_topology_desc(platform="tpu", **tpu_slice(topology))
-  except ValueError:
-    raise
-  except Exception as e:  # the plugin's own message says which name or library it lacks
-    raise ValueError(f"cannot make compile-only devices for {topology!r}: "
+    return list(topologies.get_topology_desc(**desc).devices)
+  except NotImplementedError as e:
+    raise ValueError(f"{name} needs {needs}: {e}") from e
+  except Exception as e:  # noqa: BLE001 (the plugins raise several kinds)
+    raise ValueError(f"cannot make compile-only devices for {name}: "
                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-  return list(desc.devices)
 
 
 def tpu_slice(topology: str) -> dict:
@@ -104,10 +111,6 @@ def _gpu_devices(chip: str, count: int) -> list:
                                                                GPUS_PER_HOST)
   with open(os.path.join(_GPU_SPECS, GPU_TARGETS[chip])) as f:
     spec = f.read()
-  try:
-    desc = topologies.get_topology_desc(platform="cuda", target_config=spec,
-                                        topology=f"1x{hosts}x{per_host}")
-  except NotImplementedError as e:  # no CUDA plugin registered in this process
-    raise ValueError(f"GPU target {chip}x{count} needs JAX's CUDA plugin (pip install "
-                     f"'meshlm[gpu]'; no GPU is needed to compile): {e}") from e
-  return list(desc.devices)
+  return _devices(f"GPU target {chip}x{count}",
+                  "JAX's CUDA plugin (pip install 'meshlm[gpu]'; no GPU is needed to compile)",
+                  platform="cuda", target_config=spec, topology=f"1x{hosts}x{per_host}")

@@ -228,7 +228,8 @@ def test_gpu_devices_or_what_to_install():
       parallel.compile_devices("h100x8")
   else:
     code = ("import parallel; d = parallel.compile_devices('h100x8'); "
-            "print(len(d), parallel.platform(parallel.make_mesh({'fsdp': 8}, d)), d[0].device_kind)")
+            "print(len(d), parallel.platform(parallel.make_mesh({'fsdp': 8}, d)), "
+            "d[0].device_kind)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True).stdout
     assert out.split()[:2] == ["8", "gpu"] and "H100" in out

@@ -213,21 +213,8 @@ class QArray:
       spec = "NGr,MGr->GNM" if self.out_first else "NGr,GrM->GNM"
       part = jnp.einsum(spec, x_NGg[:, :, rows], u, preferred_element_type=jnp.float32)
       d_GNM = part if d_GNM is None else d_GNM + part
-    per_group = (lambda a: a.T) if self.out_first else (lambda a: a)  # [G, M]
-    scale_G1M = per_group(self.scale.astype(jnp.float32))[:, None]
-    fmt = self.fmt
-    if fmt.symmetric or fmt.int_zero:
-      if fmt.int_zero:
-        zero = per_group(self.offset.astype(jnp.float32))[:, None]
-      else:
-        zero = 0.0 if fmt.signed_codes else 8.0 if fmt.bits == 4 else 128.0
-      if isinstance(zero, float) and zero == 0.0:
-        return jnp.sum(scale_G1M * d_GNM, axis=0)
-      x_GN1 = jnp.sum(x_NGg.astype(jnp.float32), axis=-1).T[..., None]
-      return jnp.sum(scale_G1M * (d_GNM - zero * x_GN1), axis=0)
     x_GN1 = jnp.sum(x_NGg.astype(jnp.float32), axis=-1).T[..., None]
-    offset_G1M = per_group(self.offset.astype(jnp.float32))[:, None]
-    return jnp.sum(scale_G1M * d_GNM + offset_G1M * x_GN1, axis=0)
+    return jnp.sum(self._scaled_groups(d_GNM, x_GN1), axis=0)
 
   def int_matmul_groups(self, x_NGg) -> jax.Array:
     """W8A8 / W4A8: x quantized to int8 per row and group (absmax), an int32 dot with the
@@ -259,16 +246,21 @@ class QArray:
       d_GRM = jax.lax.dot_general(q_GRg, w, dims, preferred_element_type=jnp.int32)
     d_GNM = d_GRM[:, :n]
     x_GN1 = jnp.sum(q_NGg.astype(jnp.int32), axis=-1).T[..., None]
+    return jnp.einsum("GNM,NG->NM", self._scaled_groups(d_GNM, x_GN1), s_NG)
+
+  def _scaled_groups(self, d_GNM, x_GN1) -> jax.Array:
+    """Per group, float32 [G, N, M]: scale (D - z X), or scale D + offset X with float
+    offsets, from D = sum_g x u over the codes and X = sum_g x (integer D, X stay exact until
+    the scales: the -a8 path)."""
     per_group = (lambda a: a.T) if self.out_first else (lambda a: a)  # [G, M]
     scale_G1M = per_group(self.scale.astype(jnp.float32))[:, None]
-    if self.fmt.symmetric or self.fmt.int_zero:
-      zero = (per_group(self.offset.astype(jnp.int32))[:, None] if self.fmt.int_zero
-              else 8 if self.fmt.bits == 4 else 0)
-      acc_GNM = scale_G1M * (d_GNM - zero * x_GN1).astype(jnp.float32)
-    else:
-      offset_G1M = per_group(self.offset.astype(jnp.float32))[:, None]
-      acc_GNM = scale_G1M * d_GNM.astype(jnp.float32) + offset_G1M * x_GN1.astype(jnp.float32)
-    return jnp.einsum("GNM,NG->NM", acc_GNM, s_NG)
+    fmt = self.fmt
+    if fmt.symmetric or fmt.int_zero:
+      zero = (per_group(self.offset.astype(jnp.int32))[:, None] if fmt.int_zero
+              else 0 if fmt.signed_codes else 8 if fmt.bits == 4 else 128)
+      return scale_G1M * (d_GNM - zero * x_GN1).astype(jnp.float32)
+    offset_G1M = per_group(self.offset.astype(jnp.float32))[:, None]
+    return scale_G1M * d_GNM.astype(jnp.float32) + offset_G1M * x_GN1.astype(jnp.float32)
 
   def take(self, ids, dtype) -> jax.Array:
     """jnp.take(w, ids, axis=0) for a weight whose first axis is its only output axis."""

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import parallel
+from benchmarks.quant_decode_tpu import float_weight_copies
 from infer.quant.quantize import encode, to_qarray
 from models.quant import parse_format
 from train.plan.targets import resolve
@@ -30,13 +31,9 @@ for name in sys.argv[1:]:
     compiled = jax.jit(lambda q, x: q.einsum("BD,DF->BF", x, jnp.bfloat16)).lower(
         abstract, x).compile()
   hlo = compiled.as_text()
-  entry = hlo[hlo.index("\nENTRY"):]
-  entry = entry[:entry.index("\n}")]
-  float_copies = [line for line in entry.splitlines()
-                  if re.match(rf"\s*(?:ROOT )?%\S+ = (?:bf16|f32)\[(?:1,)?{K},{M}\]", line)]
   facts[name] = dict(
       platform=parallel.platform(mesh), bytes_accessed=compiled.cost_analysis()["bytes accessed"],
       weight_bytes=q.nbytes, loops=len(re.findall(r"\swhile\(", hlo)),
-      code_copies=len(re.findall(rf"= [su]8\[[\d,]+\]\S* copy\(%q_codes", entry)),
-      float_weights=len(float_copies))
+      code_copies=len(re.findall(r"= [su]8\[[\d,]+\]\S* copy\(%q_codes", hlo)),
+      float_weights=float_weight_copies(hlo, {K * M}))
 print(json.dumps(facts))

@@ -45,7 +45,8 @@ with parallel.axis_rules(rules), jax.set_mesh(mesh):
   compiled = fn.lower(x, w).compile()
   hlo = compiled.as_text()
   value, (gx, gw) = fn(x, w)
-  chunks = xent.num_chunks(B // parallel.shards_of("act_batch"), T // parallel.shards_of("act_seq"))
+  chunks = xent.num_chunks(B // parallel.shards_of("act_batch"),
+                           T // parallel.shards_of("act_seq"))
 
 ref = jax.value_and_grad(lambda x, w: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(
     jnp.einsum("BTD,DV->BTV", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),

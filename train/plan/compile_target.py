@@ -6,17 +6,18 @@ target's compile-only devices (`train.plan.targets`), so tracing sees the target
 platform (`parallel.platform`) and picks its kernels, then compiles
 `train.step.train_step` as `train.plan.aot.compile_memory` does.
 
-The compiler's `cost_analysis()` counts a loop body once: the layer scan and the
-gradient-accumulation loop. So two probes compile the same step with 1 and 2 layers,
-unrolled (`model.scan_layers=False`, and the chunked loss's loop: `model.xent_unroll`), on one microbatch (grad_accum 1,
-batch_size / grad_accum rows): per layer = probe2 − probe1, and the step is
-grad_accum × (probe1 + (L − 1) × per layer). The optimizer update is thereby counted
-grad_accum times, an overcount of its small share. The estimate is `optimal_seconds`,
-the compiler's own time model summed over ops; a Pallas kernel counts only what its cost
-estimate declares (the flops count may miss it), and an op with no cost model adds -1 s,
-which leaves a negative total that is reported as no estimate. It is an estimate of a
-compiler, not a measurement. A pipeline step runs its schedule in a loop too, which probes of this
-kind do not unroll: no estimate is made for one (the reason is returned).
+The compiler's `cost_analysis()` counts a loop body once: the layer scan and the gradient-
+accumulation loop. So two probes compile the same step with 1 and 2 layers, unrolled
+(`model.scan_layers=False`, and the chunked loss's loop: `model.xent_unroll`), on one
+microbatch (grad_accum 1, batch_size / grad_accum rows): per layer = probe2 − probe1, and
+the step is grad_accum × (probe1 + (L − 1) × per layer). The optimizer update is thereby
+counted grad_accum times, an overcount of its small share. The estimate is
+`optimal_seconds`, the compiler's own time model summed over ops; a Pallas kernel counts
+only what its cost estimate declares (the flops count may miss it), and an op with no cost
+model adds -1 s, which leaves a negative total that is reported as no estimate. It is an
+estimate of a compiler, not a measurement. A pipeline step runs its schedule in a loop too,
+which probes of this kind do not unroll: no estimate is made for one (the reason is
+returned).
 
 libtpu takes a lockfile so that one process drives the chips; a deviceless compile drives
 none, so `compile_in_subprocess` lets it share (ALLOW_MULTIPLE_LIBTPU_LOAD=1) with any other
@@ -165,7 +166,8 @@ def format_summary(c: dict, ratio: float | None) -> list[str]:
            f"{c['platform']}) by its own compiler, deviceless ({c['compile_seconds']:.0f} s):",
            f"  per-chip peak {c['peak_gib']:.2f} GiB of {c['hbm_gib']:g} GiB HBM: {fits}"
            + (f"; planner estimate / compiled = {ratio:.2f}" if ratio else ""),
-           f"  kernels: {c['kernels']['pallas']} Pallas, {c['kernels']['cudnn']} cuDNN; custom calls "
+           f"  kernels: {c['kernels']['pallas']} Pallas, {c['kernels']['cudnn']} cuDNN; "
+           "custom calls "
            + (", ".join(f"{k} x{v}" for k, v in c["kernels"]["custom_calls"].items()) or "none")]
   if c["collectives"]:
     lines.append("  collectives: " + ", ".join(f"{k} x{v}" for k, v in c["collectives"].items()))
