@@ -79,6 +79,10 @@ def main(argv: list[str], command: str = "data") -> None:
   """`meshlm data ACTION ARGS`: argv is everything after `data`."""
   fv = make_flags(argv)
   action, args = _action(command, parse(command, argv, fv, __doc__, positional=True), fv)
+  missing = [a for a in args[:1 if action in ("register", "decontam") else 2]
+             if not os.path.exists(a)]
+  if missing:  # not "no assets": a typo must not read as an empty store
+    raise UsageError(f"meshlm {command} {action}: {missing[0]} does not exist")
   try:
     if action == "ls":
       print_list(args[0], sys.stdout)

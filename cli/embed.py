@@ -11,7 +11,7 @@ import json
 
 from absl import flags
 
-from cli.parsing import parse, require
+from cli.parsing import parse, require, require_paths
 from infer.embed import embed_file
 
 
@@ -35,6 +35,7 @@ def main(argv: list[str], command: str = "embed") -> None:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "model", "input")
+  require_paths(command, fv, "model", "input")
   try:
     summary = embed_file(fv["model"].value, fv["input"].value, text_key=fv["text_key"].value,
                          output=fv["output"].value, batch_size=fv["batch_size"].value,

@@ -25,7 +25,7 @@ from absl import flags
 
 from align.evals.helpful import judge_for
 from align.evals.suites import SUITES, evaluate_model, fingerprint
-from cli.parsing import parse, print_error, require
+from cli.parsing import UsageError, parse, print_error, require, require_paths
 from infer.loading import load_any
 from train.report_paths import portable_path
 
@@ -51,12 +51,27 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
+def skipped_lines(report: dict) -> list[str]:
+  """What the suite left out and why, a line per dataset or metric and reason (report.json's
+  `skipped`), so that a score over fewer metrics or rows says so on the screen."""
+  lines = []
+  for where, reasons in sorted((report.get("skipped") or {}).items()):
+    for reason, count in sorted((reasons or {}).items()):
+      if count:
+        lines.append(f"{where}: {reason}" + (f" ({count} rows)" if count > 1 else ""))
+  return lines
+
+
 def main(argv: list[str], command: str = "eval") -> int:
   """`meshlm eval ARGS`: argv is everything after `eval`."""
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "model", "suite", "out")
   model_path, out, batch_size = fv["model"].value, fv["out"].value, fv["batch_size"].value
+  for name in ("limit", "batch_size", "max_new_tokens"):
+    if fv[name].value is not None and fv[name].value < 1:
+      raise UsageError(f"meshlm {command}: --{name}={fv[name].value} must be >= 1")
+  require_paths(command, fv, "model", "judge")
   try:
     model, tokenizer = load_any(model_path)
     judge, suite = None, fv["suite"].value
@@ -76,6 +91,8 @@ def main(argv: list[str], command: str = "eval") -> int:
     return EXIT_BAD_INPUT
   for dim, d in report["dimensions"].items():
     print(f"{dim}: score {d['score']:.3f} over {len(d['metrics'])} metrics")
+  for line in skipped_lines(report):
+    print(f"meshlm {command}: skipped {line}")
   if (report["judge"] or {}).get("self"):
     print(f"meshlm {command}: note: the evaluated model judged its own answers; `meshlm gate` "
           "compares these win rates only as a baseline's, against candidates judged by this "

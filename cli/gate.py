@@ -17,7 +17,7 @@ from absl import flags
 
 from align.evals.gate import (DEFAULT_MAX_DROP, EXIT_BAD_INPUT, EXIT_PASS, EXIT_REGRESSED,
                               compare, load_report, parse_max_drop, write_json)
-from cli.parsing import parse, print_error, require
+from cli.parsing import parse, print_error, require, require_paths
 
 
 def make_flags(argv: list[str]) -> flags.FlagValues:
@@ -39,6 +39,7 @@ def main(argv: list[str], command: str = "gate") -> int:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "baseline", "candidate")
+  require_paths(command, fv, "baseline", "candidate")
   try:
     result = compare(load_report(fv["baseline"].value), load_report(fv["candidate"].value),
                      parse_max_drop(fv["max_drop"].value), skip_judged=fv["skip_judged"].value)

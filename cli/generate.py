@@ -10,7 +10,7 @@ or a .gguf file.
 
 from absl import flags
 
-from cli.parsing import parse, require
+from cli.parsing import UsageError, parse, require, require_paths
 from infer import Engine, SamplingParams
 from infer.loading import load_any
 
@@ -41,7 +41,23 @@ def make_flags(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
-def run_generate(fv) -> None:
+def sampling_params(fv, command: str) -> SamplingParams:
+  """The sampling flags, checked before any model loads (UsageError naming a bad one)."""
+  try:
+    if fv["max_new_tokens"].value < 1:
+      raise ValueError(f"--max_new_tokens={fv['max_new_tokens'].value} must be >= 1")
+    params = SamplingParams(max_tokens=fv["max_new_tokens"].value,
+                            temperature=fv["temperature"].value, top_k=fv["top_k"].value,
+                            top_p=fv["top_p"].value, min_p=fv["min_p"].value,
+                            repetition_penalty=fv["repetition_penalty"].value,
+                            seed=fv["seed"].value)
+    params.validate()
+    return params
+  except ValueError as e:
+    raise UsageError(f"meshlm {command}: {e}") from None
+
+
+def run_generate(fv, params: SamplingParams) -> None:
   model, tokenizer = load_any(fv["model"].value, gguf_quantized=fv["gguf_quantized"].value)
   prompt = fv["prompt"].value
   if fv["chat"].value:
@@ -49,11 +65,7 @@ def run_generate(fv) -> None:
     ids = tokenizer.encode(prompt, add_bos=False)
   else:
     ids = tokenizer.encode(prompt)
-  max_new = fv["max_new_tokens"].value
-  params = SamplingParams(max_tokens=max_new, temperature=fv["temperature"].value,
-                          top_k=fv["top_k"].value, top_p=fv["top_p"].value,
-                          min_p=fv["min_p"].value,
-                          repetition_penalty=fv["repetition_penalty"].value, seed=fv["seed"].value)
+  max_new = params.max_tokens
   # A cache just long enough for this request (the model's context at most, so a request
   # that does not fit is refused naming that limit).
   engine = Engine(model, tokenizer, max_seq_len=min(max(len(ids) + max_new, 1),
@@ -69,7 +81,9 @@ def main(argv: list[str], command: str = "generate") -> None:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "model", "prompt")
+  params = sampling_params(fv, command)
+  require_paths(command, fv, "model")
   try:
-    run_generate(fv)
+    run_generate(fv, params)
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"meshlm {command}: error: {e}") from e

@@ -6,9 +6,11 @@ an alias: only the name part of a flag is rewritten, never a value, a positional
 anything after `--`, or a --config.KEY override.
 """
 
+import os
 import sys
 
 from absl import flags
+from ml_collections import ConfigDict
 
 HELP_ARGS = ("-h", "--help", "-help", "--helpfull", "--helpshort")
 USAGE_EXIT = 2  # bad command line (argparse's convention; `meshlm gate` reserves 1 for "regressed")
@@ -93,16 +95,67 @@ def parse(command: str, argv: list[str], fv: flags.FlagValues, doc: str,
   try:
     words = fv([f"meshlm {command}"] + argv)[1:]
   except flags.UnrecognizedFlagError as e:
-    raise UsageError(f"meshlm {command}: {str(e).strip(chr(39))} (meshlm {command} --help "
-                     "lists the flags)") from None
+    raise UsageError(f"meshlm {command}: {parse_error(e)} (meshlm {command} --help lists "
+                     "the flags)") from None
   # Config overrides fail at parse time: an unknown key (AttributeError, KeyError) or a value
   # of the wrong type (ValueError).
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
-    raise UsageError(f"meshlm {command}: {str(e).strip(chr(39))}") from None
+    raise UsageError(f"meshlm {command}: {parse_error(e, config_path(argv))}") from None
+  except Exception as e:  # the config file itself: a syntax error, an import, get_config
+    raise UsageError(f"meshlm {command}: config file {config_path(argv)}: "
+                     f"{type(e).__name__}: {first_line(e)}") from None
+  if "config" in fv and fv["config"].present:
+    check_config(command, fv, argv)
   if words and not positional:
     raise UsageError(f"meshlm {command}: unexpected argument {words[0]!r} (flags are "
                      f"--name=value; meshlm {command} --help lists them)")
   return words
+
+
+def first_line(e: BaseException) -> str:
+  text = str(e).strip()
+  return text.splitlines()[0] if text else ""
+
+
+def parse_error(e: BaseException, config_file: str | None = None) -> str:
+  """A flag or config-override error as one line without Python's quoting: an unknown config
+  key (a KeyError inside an AttributeError) reads `unknown config key 'stepz' (did you mean
+  "steps" instead of "stepz"?)`; a config file that failed to load, its own last words."""
+  text = str(e)
+  if "Error whilst parsing config file" in text:  # ml_collections quotes the traceback
+    last = [line.strip() for line in text.splitlines() if line.strip()][-1]
+    return f"config file {config_file}: {last}"
+  if "has no attribute 'get_config'" in text:
+    return f"config file {config_file} defines no get_config()"
+  inner = e.args[0] if e.args and isinstance(e.args[0], BaseException) else e
+  if isinstance(inner, KeyError):
+    text = str(inner.args[0]) if inner.args else ""
+    key, _, hint = text.partition("\n")
+    hint = hint.strip()
+    return (f"unknown config key {key}"
+            + (f" ({hint[:1].lower() + hint[1:]})" if hint else ""))
+  text = " ".join(str(e).split())
+  return text[1:-1] if len(text) > 1 and text[0] == text[-1] == "'" else text
+
+
+def check_config(command: str, fv: flags.FlagValues, argv: list[str]) -> None:
+  """UsageError where the config file's get_config gave something other than a ConfigDict."""
+  value = fv["config"].value
+  if not isinstance(value, ConfigDict):
+    raise UsageError(f"meshlm {command}: config file {config_path(argv)}: get_config() "
+                     f"returned a {type(value).__name__}, not an ml_collections.ConfigDict")
+
+
+def config_path(argv: list[str]) -> str | None:
+  """The value of --config in `argv` (either spelling), or None."""
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      break
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+  return None
 
 
 def require(command: str, fv: flags.FlagValues, *names: str) -> None:
@@ -111,6 +164,15 @@ def require(command: str, fv: flags.FlagValues, *names: str) -> None:
   if missing:
     plural = "s" if len(missing) > 1 else ""
     raise UsageError(f"meshlm {command}: missing required flag{plural} {', '.join(missing)}")
+
+
+def require_paths(command: str, fv: flags.FlagValues, *names: str) -> None:
+  """UsageError naming the first of the flags `names` whose value is a path that does not
+  exist (an unset flag is `require`'s business)."""
+  for name in names:
+    value = fv[name].value
+    if value and not os.path.exists(value):
+      raise UsageError(f"meshlm {command}: --{name} {value} does not exist")
 
 
 def print_error(message: str) -> None:

@@ -24,7 +24,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from cli.parsing import parse, require
+from cli.parsing import UsageError, parse, require
 from infer import compile_decode
 from train.plan.report import COST_DEFAULTS, format_plan, parse_mesh, plan
 from train.plan.targets import pallas_kernels, resolve
@@ -90,16 +90,29 @@ def main(argv: list[str], command: str = "plan") -> None:
   require(command, fv, "config")
   path = fv["config"].config_filename
   if not os.path.isfile(path.split(":")[0]):  # "path.py:arg" passes arg to get_config
-    raise SystemExit(f"meshlm {command}: config file {path} does not exist")
+    raise UsageError(f"meshlm {command}: config file {path} does not exist")
+  for name in ("devices", "devices_per_host"):
+    if fv[name].value is not None and fv[name].value < 1:
+      raise UsageError(f"meshlm {command}: --{name}={fv[name].value} must be >= 1")
   try:
     target = resolve(fv["target"].value) if fv["target"].value else None
-    devices = fv["devices"].value
-    if target and devices is not None and devices != target.chips:
-      raise ValueError(f"--devices={devices} but --target {target.name} has {target.chips} chips")
-    devices = target.chips if target else devices
-    if devices is None:
-      require(command, fv, "devices")
+  except ValueError as e:
+    raise UsageError(f"meshlm {command}: {e}") from None
+  devices = fv["devices"].value
+  if target and devices is not None and devices != target.chips:
+    raise UsageError(f"meshlm {command}: --devices={devices} but --target {target.name} has "
+                     f"{target.chips} chips")
+  devices = target.chips if target else devices
+  if devices is None:
+    require(command, fv, "devices")
+  if fv["decode"].value and not (target and fv["compile"].value):
+    raise UsageError(f"meshlm {command}: --decode compiles a decode step for a target: give "
+                     "--target and --compile too")
+  try:
     mesh = parse_mesh(fv["mesh"].value) if fv["mesh"].value else None
+  except ValueError as e:
+    raise UsageError(f"meshlm {command}: {e}") from None
+  try:
     checkpointing = dict(failures_per_device_day=fv["failures_per_device_day"].value,
                          write_gbps_per_host=fv["checkpoint_gbps"].value,
                          devices_per_host=fv["devices_per_host"].value,
@@ -113,9 +126,6 @@ def main(argv: list[str], command: str = "plan") -> None:
           cost[key] = value
           if key in checkpointing:
             checkpointing[key] = value
-    if fv["decode"].value and not (target and fv["compile"].value):
-      raise ValueError("--decode compiles a decode step for a target: give --target and "
-                       "--compile too")
     result = plan(fv["config"].value, devices, mesh, fv["sharding"].value,
                   fv["budget_gb"].value, fv["compile"].value, fv["top"].value, fv["suggest"].value,
                   checkpointing, cost, target.name if target else None)

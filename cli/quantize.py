@@ -20,7 +20,7 @@ smoothed.
 
 from absl import flags
 
-from cli.parsing import parse, require
+from cli.parsing import parse, require, require_paths
 from infer.quant.convert import EMBEDDINGS, METHODS, quantize_checkpoint
 
 
@@ -64,6 +64,7 @@ def main(argv: list[str], command: str = "quantize") -> None:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "model", "format", "out")
+  require_paths(command, fv, "model", "calib")
   options = ("method", "calib", "calib_samples", "calib_len", "embeddings", "fit_groups",
              "act_order", "clip_search", "tune_epochs", "tune_lr")
   try:

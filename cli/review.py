@@ -1,6 +1,6 @@
 """`meshlm review`: the web page and JSON API over a review queue (align/curate/review_db.py).
 
-  meshlm review --db PATH [--host 127.0.0.1] [--port 8765] [--lease_s 600]
+  meshlm review --db PATH [--create] [--host 127.0.0.1] [--port 8765] [--lease_s 600]
   meshlm review --db PATH --export ROOT     (write ROOT/review_results/vK + report.json, exit)
   meshlm review --db PATH --report          (print the audit report as JSON, exit)
 
@@ -8,18 +8,21 @@ The page and its API: align/curate/review_server.py.
 """
 
 import json
+import os
 
 from absl import flags
 
 from align.curate.review_db import ReviewQueue
 from align.curate.review_server import serve
-from cli.parsing import parse, require
+from cli.parsing import UsageError, parse, require
 
 
 def make_flags(argv: list[str]) -> flags.FlagValues:
   del argv  # no --config here
   fv = flags.FlagValues()
-  flags.DEFINE_string("db", None, "review queue SQLite file (created if absent)", flag_values=fv)
+  flags.DEFINE_string("db", None, "review queue SQLite file", flag_values=fv)
+  flags.DEFINE_bool("create", False, "create --db if it does not exist (else a missing file "
+                    "is an error: a mistyped path must not open an empty queue)", flag_values=fv)
   flags.DEFINE_string("host", "127.0.0.1", "address to listen on", flag_values=fv)
   flags.DEFINE_integer("port", 8765, "port to listen on (0: any free one)", flag_values=fv)
   flags.DEFINE_float("lease_s", 600.0, "seconds a reviewer holds an item before others may "
@@ -36,6 +39,9 @@ def main(argv: list[str], command: str = "review") -> None:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "db")
+  if not fv["create"].value and not os.path.exists(fv["db"].value):
+    raise UsageError(f"meshlm {command}: --db {fv['db'].value} does not exist (--create makes "
+                     "a new, empty queue)")
   try:
     queue = ReviewQueue(fv["db"].value, lease_s=fv["lease_s"].value)
     if fv["export"].value is not None:

@@ -5,21 +5,23 @@
 PATH is anything `meshlm generate` loads: a meshlm workdir, an HF directory, a .gguf
 file or a quantized checkpoint. The API key may also come from $MESHLM_API_KEY (so
 it is not on the command line). Each version gets its own continuous-batching
-engine (infer/serving.py) on its own thread. See docs/serving.md. Exit status 2 on
-unusable input.
+engine (infer/serving.py) on its own thread. See docs/serving.md. The options are
+checked and the port bound before any model loads: exit status 2 on unusable input.
 """
 
 import dataclasses
 import logging
+import socket
 import sys
+import time
 
 import uvicorn
 from absl import flags
 
 from align.curate.judge import RewardJudge
 from align.evals.refusal import string_refusal, train_default
-from cli.parsing import parse, print_error, require
-from infer.server.launch import REFUSAL_CLASSIFIERS, WARMUPS, ServeOptions, build, log
+from cli.parsing import UsageError, parse, require
+from infer.server.launch import REFUSAL_CLASSIFIERS, WARMUPS, ServeOptions, build, log, validate
 
 EXIT_BAD_INPUT = 2
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -101,6 +103,20 @@ def judge_fn(workdir: str | None):
   return lambda prompt, text: float(judge.scores(prompt, [text])[0])
 
 
+def bind(host: str, port: int) -> socket.socket:
+  """A socket bound to (host, port), for uvicorn to listen on: taken before the models load,
+  so that a port in use is found in a second, not after minutes of loading."""
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+  return sock
+
+
 def main(argv: list[str], command: str = "serve") -> int:
   """`meshlm serve ARGS`: argv is everything after `serve`."""
   fv = make_flags(argv)
@@ -108,17 +124,27 @@ def main(argv: list[str], command: str = "serve") -> int:
   require(command, fv, "model")
   opts = ServeOptions(**{f.name: fv[f.name].value for f in dataclasses.fields(ServeOptions)})
   logging.basicConfig(level=opts.log_level.upper(), stream=sys.stderr,
-                      format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                      format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+  if opts.log_level != "debug":  # Orbax's per-restore chatter is not the server's news
+    logging.getLogger("absl").setLevel(logging.WARNING)
+  try:
+    validate(opts)
+    sock = bind(opts.host, opts.port)
+  except ValueError as e:
+    raise UsageError(f"meshlm {command}: {e}") from None
+  start = time.perf_counter()
   try:
     app, server = build(opts, make_refusal=refusal_fn, make_judge=judge_fn)
-  except (ValueError, FileNotFoundError) as e:
-    print_error(f"meshlm {command}: error: {e}")
-    return EXIT_BAD_INPUT
-  log.info("serving %r on http://%s:%d (release: %s)", server.model_name, opts.host, opts.port,
-           server.release.state)
+  except BaseException:
+    sock.close()
+    raise
+  log.info("ready: serving %r on http://%s:%d (release: %s) after %.1f s", server.model_name,
+           opts.host, opts.port, server.release.state, time.perf_counter() - start)
+  config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level,
+                          timeout_graceful_shutdown=5)
   try:
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level=opts.log_level,
-                timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
   finally:
     server.close()
+    sock.close()
   return 0

@@ -22,8 +22,9 @@ from align.grpo import GRPOTask
 from align.ppo import PPOTask
 from align.reward import RewardTask
 from align.sft import SFTTask
-from cli.parsing import parse, require
+from cli.parsing import UsageError, config_path, parse, require
 from infer import generate
+from models import ConfigError
 from parallel.distributed import initialize
 from train import exit_codes
 from train.fault import Preempted
@@ -60,12 +61,6 @@ def make_task(command: str, config, workdir: str):
 
 
 def run_train(fv, command: str = "train") -> None:
-  config_file = fv["config"].config_filename if fv["config"].present else None
-  if config_file is None:
-    raise SystemExit(f"meshlm {command}: missing required flag --config")
-  # "path.py:arg" passes arg to get_config (ml_collections keeps it in the filename).
-  if not os.path.isfile(config_file.split(":")[0]):
-    raise SystemExit(f"meshlm {command}: config file {config_file} does not exist")
   config = fv["config"].value
   initialize(fv["coordinator_address"].value, fv["num_processes"].value, fv["process_id"].value)
   # Started before compilation so that start-up is covered too; no-op for one process.
@@ -78,6 +73,8 @@ def run_train(fv, command: str = "train") -> None:
     print(f"meshlm: {e}", flush=True)
     raise SystemExit(exit_codes.PREEMPTED) from e
   monitor.close()
+  if not last:  # the run was already at config.steps: nothing was trained
+    return
   print({k: round(v, 4) for k, v in last.items()})
   generates = config.model.arch in ("decoder", "prefix_lm") and command == "train"
   if config.sample.prompt and config.sample.max_new_tokens > 0 and generates:
@@ -94,9 +91,20 @@ def main(argv: list[str], command: str = "train") -> None:
   if command not in COMMANDS:
     raise ValueError(f"{command!r} is not one of {COMMANDS}")
   fv = make_flags(argv)
+  config_file = config_path(argv)
+  if config_file and not os.path.isfile(config_file.split(":")[0]):
+    # Before parsing, which would only say that the flag's value could not be loaded.
+    raise UsageError(f"meshlm {command}: config file {config_file} does not exist")
   parse(command, argv, fv, __doc__)
+  if not fv["config"].present:
+    raise UsageError(f"meshlm {command}: missing required flag --config")
   require(command, fv, "workdir")
+  if os.path.exists(fv["workdir"].value) and not os.path.isdir(fv["workdir"].value):
+    raise UsageError(f"meshlm {command}: --workdir {fv['workdir'].value} is a file, not a "
+                     "directory")
   try:
     run_train(fv, command)
+  except ConfigError as e:  # a config value, refused before the run began
+    raise UsageError(f"meshlm {command}: {e}") from e
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"meshlm {command}: error: {e}") from e

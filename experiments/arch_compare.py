@@ -18,11 +18,9 @@ does, which with this init_std (0.02) left it far behind (benchmarks/arch_compar
 Without `:ARCH`, `meshlm train --config experiments/arch_compare.py` trains the decoder.
 """
 
-import os
-
+from train.data_root import data_path
 from train.defaults import base_config
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("decoder", "prefix_lm", "encoder_decoder")
 
 
@@ -54,7 +52,7 @@ def get_config(arch: str = "decoder"):
     c.seq_len = 64
 
   c.tokenizer.train_vocab_size = 1024
-  c.data.path = os.path.join(_REPO, "data", "tinyshakespeare", "input.txt")
+  c.data.path = data_path("tinyshakespeare", "input.txt")
   c.data.task = "seq2seq"
   c.data.val_fraction = 0.1
   c.data.seq2seq.transform = "reverse_words"

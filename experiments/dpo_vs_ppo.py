@@ -17,12 +17,10 @@ neither method is limited by a learned reward model and the only trade-off is ag
 The ppo/dpo configs need `init_from` (the ref workdir) and prompt files, which the driver sets.
 """
 
-import os
-
+from train.data_root import data_path
 from train.defaults import base_config
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHAKESPEARE = os.path.join(_REPO, "data", "tinyshakespeare", "input.txt")
+SHAKESPEARE = data_path("tinyshakespeare", "input.txt")
 KINDS = ("ref", "ppo", "dpo")
 
 # The sweep and the shared evaluation (benchmarks/dpo_vs_ppo.py reads these).

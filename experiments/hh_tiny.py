@@ -13,13 +13,11 @@ PROVENANCE.md), 5% of the conversation openings held out. The tokenizer is a byt
 trained on the chosen transcripts (a run with init_from takes that workdir's).
 """
 
-import os
-
+from train.data_root import data_path
 from train.defaults import base_config
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The decontaminated rows: the raw file holds AlpacaEval's helpful_base prompts.
-HH = os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test-decontam", "v1", "data.jsonl")
+HH = data_path("hh-rlhf", "helpful-base-test-decontam", "v1", "data.jsonl")
 
 
 def get_config():

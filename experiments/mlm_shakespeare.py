@@ -9,11 +9,8 @@ the mask token (train/mlm_data.py).
   meshlm embed --model runs/mlm --input data/tinyshakespeare/input.txt --output /tmp/emb.npy
 """
 
-import os
-
+from train.data_root import data_path
 from train.defaults import base_config
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config():
@@ -44,7 +41,7 @@ def get_config():
   c.model.pooling = "mean"
 
   c.tokenizer.train_vocab_size = 1024
-  c.data.path = os.path.join(_REPO, "data", "tinyshakespeare", "input.txt")
+  c.data.path = data_path("tinyshakespeare", "input.txt")
   c.data.task = "mlm"
 
   c.optimizer.lr = 1e-3

@@ -13,11 +13,9 @@ prompts came from this file); 10% (by hash) are held out as an evaluation set ("
 5% calibrate the judge against hh-rlhf's own chosen/rejected labels.
 """
 
-import os
-
 from ml_collections import ConfigDict
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train.data_root import data_path
 
 
 def get_config():
@@ -26,7 +24,7 @@ def get_config():
   c.assets_root = ""           # default WORKDIR/assets
   c.queue_db = ""              # default WORKDIR/review.sqlite
   c.pool = ConfigDict(dict(
-      path=os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz"),
+      path=data_path("hh-rlhf", "helpful-base-test.jsonl.gz"),
       format="hh", text_key="prompt", max_chars=1000,
       eval_fraction=0.1, calib_fraction=0.05,
       decontam_eval_sets="default",  # prompts overlapping these (data/protected_evals.json) dropped

@@ -4,11 +4,8 @@
   meshlm generate --model runs/quickstart --prompt "ROMEO:"
 """
 
-import os
-
+from train.data_root import data_path
 from train.defaults import base_config
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config():
@@ -31,7 +28,7 @@ def get_config():
   c.model.tie_embeddings = True
 
   c.tokenizer.train_vocab_size = 1024
-  c.data.path = os.path.join(_REPO, "data", "tinyshakespeare", "input.txt")
+  c.data.path = data_path("tinyshakespeare", "input.txt")
 
   c.optimizer.lr = 3e-3
   c.optimizer.warmup_steps = 50

@@ -22,6 +22,8 @@ import os
 
 from ml_collections import ConfigDict
 
+from train.data_root import data_path
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,7 +31,7 @@ def get_config(kind: str = "full"):
   if kind not in ("full", "quick"):
     raise ValueError(f"kind={kind!r}; choose 'full' or 'quick'")
   c = ConfigDict()
-  c.data = os.path.join(_REPO, "data", "hh-rlhf", "helpful-base-test.jsonl.gz")
+  c.data = data_path("hh-rlhf", "helpful-base-test.jsonl.gz")
   c.limit = 0                 # use only the first N usable pairs (0 = all)
   c.test_fraction = 0.2       # held out by hash of the first human turn
   c.order_seed = 0            # which side of each pair is shown as A

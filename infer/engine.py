@@ -39,6 +39,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 
 import parallel
@@ -162,13 +163,14 @@ class Engine:
                        else self._state)
     return self._weights
 
-  def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
-               ) -> list[Result]:
+  def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+               progress: str | None = None) -> list[Result]:
     """Results in prompt order. `prompts`: a list of texts and/or token-id lists.
 
     A single request (a bare text or token-id list) raises ValueError when
     invalid; in a batch, an invalid request gets finish_reason "error" and the
-    others are still served.
+    others are still served. `progress` names a progress bar over the prompts (on a
+    terminal's stderr).
     """
     single, prompts, params = batch_of_requests(prompts, params)
     results: list[Result | None] = [None] * len(prompts)
@@ -182,12 +184,15 @@ class Engine:
         results[i] = Result("", [], None, "error", error=str(e))
     # Similar lengths share a batch, so little of the bucketed prefill is padding.
     pending.sort(key=lambda item: len(item[1].prompt_ids))
-    for start in range(0, len(pending), self.max_batch):
-      chunk = pending[start:start + self.max_batch]
-      for _ in self._run([r for _, r in chunk]):
-        pass
-      for i, r in chunk:
-        results[i] = r.result()
+    with tqdm.tqdm(total=len(pending), desc=progress, unit="prompt", leave=False,
+                   disable=None if progress else True) as bar:
+      for start in range(0, len(pending), self.max_batch):
+        chunk = pending[start:start + self.max_batch]
+        for _ in self._run([r for _, r in chunk]):
+          pass
+        for i, r in chunk:
+          results[i] = r.result()
+        bar.update(len(chunk))
     return results
 
   def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[Token]:

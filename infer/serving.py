@@ -31,6 +31,7 @@ from typing import Iterator, Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 import parallel
 from infer import kv_cache, paged, ragged
@@ -220,7 +221,8 @@ class PagedEngine(Engine):
     """Compiles every step shape ahead of traffic (a server's warm-up), so that no request
     waits for XLA mid-stream; returns how many shapes. Steps with top-logprobs still compile
     on first use."""
-    for rows, t, width, size in self.step_shapes():
+    for rows, t, width, size in tqdm.tqdm(self.step_shapes(), desc="compiling step shapes",
+                                          unit="shape", leave=False, disable=None):
       if (rows, t, width, size) in self._compiled:
         continue
       zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)

@@ -6,6 +6,7 @@ projections into the interleaved (GPT-J) RoPE layout; we undo that here so our
 half-split ("rotate_half") RoPE sees the original Hugging Face weights.
 """
 
+import os
 import re
 import warnings
 
@@ -238,9 +239,28 @@ class FastGGUFReader(GGUFReader):
     return arr.view(arr.dtype.newbyteorder(override_order or self.byte_order))
 
 
+def open_gguf(path: str) -> GGUFReader:
+  """The file's reader; ValueError saying the file is truncated or damaged where its header
+  does not parse or a tensor's bytes run past its end (the reader's own errors name neither
+  the file nor the cause: "cannot reshape array of size ...")."""
+  size = os.path.getsize(path)
+  try:
+    reader = FastGGUFReader(path)
+  except Exception as e:  # gguf's parser: struct, reshape and index errors
+    raise ValueError(f"{path} is not a readable GGUF file: truncated or damaged "
+                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), "
+                     f"{size:,} bytes") from None
+  for t in reader.tensors:
+    end = int(t.data_offset) + int(t.n_bytes)
+    if end > size:
+      raise ValueError(f"{path} is truncated: tensor {t.name} ends at byte {end:,}, the file "
+                       f"has {size:,}")
+  return reader
+
+
 def read_gguf(path: str, **overrides) -> tuple[ModelConfig, GGUFTensors, Tokenizer]:
   """(config, lazily dequantized tensors under HF names, tokenizer) of a llama GGUF file."""
-  reader = FastGGUFReader(path)
+  reader = open_gguf(path)
   check_tensor_types(reader, path)  # fail before any slow work
   cfg = config_from_gguf(reader, path, **overrides)
   return cfg, GGUFTensors(reader, cfg), tokenizer_from_gguf(reader, path)

@@ -109,7 +109,7 @@ def load_pretrained_tokenizer(path: str) -> Tokenizer:
   if os.path.isdir(path):
     return Tokenizer.load(path)
   if _is_gguf(path):
-    return gguf_io.tokenizer_from_gguf(gguf_io.FastGGUFReader(path), path)
+    return gguf_io.tokenizer_from_gguf(gguf_io.open_gguf(path), path)
   raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
 
 

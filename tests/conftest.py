@@ -90,6 +90,37 @@ def build_once(tmp_path_factory, name: str, build) -> str:
   return path
 
 
+QUICKSTART = os.path.join(REPO, "experiments", "quickstart.py")
+# The quickstart shrunk to a 1-layer model that trains in seconds from the command line.
+TINY_CLI = ["--config.batch_size=4", "--config.seq_len=32", "--config.log_every=2",
+            "--config.eval_every=4", "--config.eval_batches=1", "--config.checkpoint_every=2",
+            "--config.model.vocab_size=320", "--config.tokenizer.train_vocab_size=320",
+            "--config.model.d_model=32", "--config.model.mlp_dim=64",
+            "--config.peak_flops_per_device=1e11", "--config.sample.max_new_tokens=0"]
+
+
+def meshlm(*args, timeout=300, env=None, **kw):
+  """`meshlm ARGS` in a fresh process, as a user runs it (captured, text)."""
+  env = dict(os.environ if env is None else env, PYTHONPATH=REPO)
+  return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+                        text=True, timeout=timeout, cwd=REPO, env=env, **kw)
+
+
+def train_tiny(workdir: str, *extra):
+  return meshlm("train", "--config", QUICKSTART, "--workdir", workdir, *TINY_CLI, *extra)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> str:
+  """A 1-layer quickstart run of 4 steps, checkpoints at steps 2 and 4; shared: copy it
+  before changing anything in it."""
+  def build(path):
+    out = train_tiny(os.path.join(path, "run"), "--config.steps=4",
+                     "--config.model.num_layers=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+  return os.path.join(build_once(tmp_path_factory, "tiny-cli-run", build), "run")
+
+
 @pytest.fixture
 def shakespeare_slice(tmp_path):
   """The first ~40 KB of Tiny Shakespeare, as its own file."""

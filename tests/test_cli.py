@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from cli.main import main
+from cli.main import dispatch as main
 
 QUICKSTART = os.path.join(REPO, "experiments", "quickstart.py")
 TINY = ["--config.steps=4", "--config.batch_size=4", "--config.seq_len=32",

@@ -60,7 +60,8 @@ def test_unknown_command_exits_2_and_lists_the_commands(capsys):
   code, out, err = _run(["trian", "--config", "x.py"], capsys)
   assert code == 2 and not out
   assert "unknown command 'trian'" in err
-  assert all(f"  {name} " in err for name in cli_main.COMMANDS)
+  assert err.count("\n") == 1 and all(f" {name}," in err or f" {name} (" in err
+                                       for name in cli_main.COMMANDS), err
 
 
 def test_bad_and_missing_flags_exit_2_naming_the_flag(capsys):

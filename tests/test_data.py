@@ -14,6 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from train import data
+from train.defaults import base_config
+from train.setup import resolve_tokenizer
 from train.tokenizer_training import train_bpe_tokenizer, unigram_entropy
 
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "data", "tinyshakespeare",
@@ -249,3 +251,21 @@ def test_unigram_entropy():
   assert unigram_entropy([[0, 0, 1], [0]]) == pytest.approx(want)
   with pytest.raises(ValueError):
     unigram_entropy([[]])
+
+
+def test_a_bad_record_does_not_stop_tokenizer_training(tmp_path):
+  # An alignment run's tokenizer is trained on its records' text before its task reads them:
+  # a line that does not parse is the task's to skip and count (align/datasets.py), as
+  # docs/alignment.md says, not the tokenizer's to fail on (issue 56). Pretraining's own
+  # reading still refuses it, naming the line.
+  path = tmp_path / "chat.jsonl"
+  good = [json.dumps({"chosen": f"Human: question {i}?\n\nAssistant: answer {i}."})
+          for i in range(40)]
+  path.write_text("\n".join(good[:20] + ['{"chosen": broken'] + good[20:]) + "\n")
+  config = base_config()
+  config.data.path, config.data.text_key = str(path), "chosen"
+  config.tokenizer.train_vocab_size = 300
+  tokenizer = resolve_tokenizer(config, str(tmp_path / "run"))
+  assert tokenizer.vocab_size == 300
+  with pytest.raises(ValueError, match=r"chat.jsonl:21: invalid JSON"):
+    data.load_split(config.data, "train")

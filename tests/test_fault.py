@@ -138,7 +138,8 @@ def test_corrupted_newest_checkpoint_falls_back(uninterrupted, tmp_path):
     f.truncate(os.path.getsize(biggest) // 2)
   code, out = _run(workdir)
   assert code == 0, out[-3000:]
-  assert "checkpoint 9 is unreadable" in out and "starting at step 6/" in out, out[-3000:]
+  assert "checkpoint step 9 unreadable (" in out and "; using step 6" in out
+  assert "starting at step 6/" in out, out[-3000:]
   losses = _losses(workdir)
   assert losses[STEPS] == _losses(uninterrupted)[STEPS]
 

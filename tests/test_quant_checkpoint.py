@@ -20,7 +20,7 @@ from infer.quant.checkpoint import load_quantized, quantized_params, save_quanti
 from infer.quant.convert import calibration_ids
 from models import ModelConfig
 from models.transformer import Transformer
-from cli.main import main
+from cli.main import dispatch as main
 from train.tokenizer_training import train_bpe_tokenizer
 from train.workdir import save_metadata
 

@@ -331,8 +331,10 @@ def test_cli_export_report_and_errors(queue, tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["human_labels"]["B"] == 1
   with pytest.raises(SystemExit, match="missing required flag --db"):
     main([])
+  with pytest.raises(SystemExit, match="nowhere/q.sqlite does not exist .--create makes"):
+    main(["--db", str(tmp_path / "nowhere" / "q.sqlite")])  # a typo opens no empty queue
   with pytest.raises(SystemExit, match="directory .* does not exist"):
-    main(["--db", str(tmp_path / "nowhere" / "q.sqlite")])
+    main(["--db", str(tmp_path / "nowhere" / "q.sqlite"), "--create"])
   (tmp_path / "junk.sqlite").write_text("junk " * 200)
   with pytest.raises(SystemExit, match="not a usable SQLite database"):
     main(["--db", str(tmp_path / "junk.sqlite")])

@@ -1,15 +1,23 @@
-"""Asynchronous Orbax checkpoints of the train state, the data iterator's position and the config.
+"""Asynchronous Orbax checkpoints of the train state, the data iterator's position and the
+config, and the one reader every command restores them with.
 
-Orbax writes each checkpoint into a temporary directory and renames it when
-complete, so a half-written checkpoint is never listed. A complete but damaged
-one (truncated or missing file, bad metadata) fails to restore: `restore` then
-logs which one and why and falls back to the next older checkpoint.
+Orbax writes each checkpoint into a temporary directory, renames it when complete
+and writes its commit markers (COMMIT_MARKERS) last: a step without them is an
+interrupted save and is never loaded (`committed_steps`). A committed but damaged
+one (truncated or missing file, bad metadata) fails to restore: `restore_newest`
+then says which, why, and which older step it uses instead, in one line. Training
+moves such a step aside (it is its own run); a command that only reads a run
+(`restore_params`: generate, serve, eval, quantize, ...) changes nothing in it.
 """
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
+import sys
 import time
+from typing import Callable
 
 import grain
 import jax
@@ -71,36 +79,22 @@ class Checkpointer:
     return self._saver.submit(save).result()
 
   def restore(self, state_template, data_iter, step: int | None = None):
-    """Newest restorable checkpoint (or `step`) into the shardings of `state_template`.
+    """Newest restorable committed checkpoint (or `step`) into the shardings of
+    `state_template` (`restore_newest`).
 
     The template's shardings may differ from those the checkpoint was written
     with (another mesh or device count): Orbax reshards on read. The data
     iterator is restored in place. Returns (state, step).
     """
-    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
-    if not steps:
-      raise FileNotFoundError(f"no checkpoint found in {self.directory}")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_template)
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-    failures = []
-    for candidate in steps:
-      try:
-        restored = self.manager.restore(candidate, args=ocp.args.Composite(
+    restored, step, failures = restore_newest(
+        self.directory, lambda s: self.manager.restore(s, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(abstract, restore_args=restore_args),
-            data=grain.checkpoint.CheckpointRestore(data_iter)))
-      except Exception as e:  # any damage: truncated, missing or inconsistent files
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        logging.error("checkpoint %d in %s is unreadable (%s); trying an older one",
-                      candidate, self.directory, reason)
-        print(f"meshlm: checkpoint {candidate} is unreadable ({reason}); "
-              "falling back to an older one", flush=True)
-        failures.append((candidate, reason))
-        continue
-      if failures:
-        self._quarantine([s for s, _ in failures])
-      return restored["state"], candidate
-    raise ValueError(f"no readable checkpoint in {self.directory}: " +
-                     "; ".join(f"step {s}: {r}" for s, r in failures))
+            data=grain.checkpoint.CheckpointRestore(data_iter))), step)
+    if failures:
+      self._quarantine([s for s, _ in failures])
+    return restored["state"], step
 
   def _quarantine(self, steps):
     """Moves unreadable checkpoints to checkpoints.corrupt/ so their steps can be saved again."""
@@ -145,19 +139,115 @@ def _demote_pool_workers():
       pass
 
 
+COMMIT_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt")  # Orbax writes them last
+
+
+def say(message: str) -> None:
+  """One line on stderr, where a command's output (a completion, JSON) does not carry it."""
+  print(f"meshlm: {message}", file=sys.stderr, flush=True)
+
+
+class _QuietLoop(asyncio.SelectorEventLoop):
+  """Drops callbacks scheduled after the loop closed. When one array of a restore fails, Orbax
+  closes its loop while TensorStore still reads the others; each late read's callback would
+  print a "RuntimeError: Event loop is closed" traceback."""
+
+  def call_soon_threadsafe(self, callback, *args, context=None):
+    try:
+      return super().call_soon_threadsafe(callback, *args, context=context)
+    except RuntimeError:
+      if self.is_closed():
+        return None
+      raise
+
+
+class _QuietPolicy(asyncio.DefaultEventLoopPolicy):
+  _loop_factory = _QuietLoop
+
+
+@contextlib.contextmanager
+def _quiet_loops():
+  """Event loops created inside (Orbax's, for a restore) are _QuietLoops."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_QuietPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
+
+
+def committed_steps(directory: str) -> list[int]:
+  """The steps under `directory` whose saves completed (every commit marker present), newest
+  first; each uncommitted one is named and skipped."""
+  if not os.path.isdir(directory):
+    return []
+  steps = []
+  for step in sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True):
+    missing = [m for m in COMMIT_MARKERS if not os.path.isfile(os.path.join(directory, str(step),
+                                                                            m))]
+    if missing:
+      say(f"checkpoint step {step} was never committed (no {' or '.join(missing)}: an "
+          "interrupted save); skipped")
+    else:
+      steps.append(step)
+  return steps
+
+
+def failure_reason(e: BaseException) -> str:
+  """An exception as one short line: its type and the first line of its message."""
+  text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def restore_newest(directory: str, restore: Callable[[int], object],
+                   step: int | None = None) -> tuple[object, int, list[tuple[int, str]]]:
+  """(restore(s), s, failures) for the newest committed step s that restores (or `step`,
+  which must be committed); failures: the newer steps that did not, with their reasons, each
+  said as "checkpoint step 600 unreadable (reason); using step 400". FileNotFoundError
+  where no step is committed, ValueError where none restores."""
+  steps = committed_steps(directory)
+  if step is not None:
+    if step not in steps:
+      raise FileNotFoundError(f"no committed checkpoint of step {step} in {directory} "
+                              f"(committed: {sorted(steps) or 'none'})")
+    steps = [step]
+  if not steps:
+    raise FileNotFoundError(f"no committed checkpoint in {directory}")
+  failures = []
+  for candidate in steps:
+    try:
+      with _quiet_loops():
+        restored = restore(candidate)
+    except Exception as e:  # any damage: truncated, missing or inconsistent files
+      failures.append((candidate, failure_reason(e)))
+      continue
+    for bad, reason in failures:
+      say(f"checkpoint step {bad} unreadable ({reason}); using step {candidate}")
+    return restored, candidate, failures
+  raise ValueError(f"no readable checkpoint in {directory}: " +
+                   "; ".join(f"step {s}: {r}" for s, r in failures))
+
+
 def restore_params(workdir: str, params_template, step: int | None = None):
-  """Just the parameters of the newest (or given) checkpoint in a training workdir."""
-  directory = os.path.join(workdir, "checkpoints")
+  """Just the parameters of the newest readable (or given) checkpoint in a training workdir
+  (`restore_newest`), read without changing anything in it."""
+  directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints directory at {directory}")
   handlers = {"state": ocp.PyTreeCheckpointHandler()}
-  with ocp.CheckpointManager(os.path.abspath(directory), item_handlers=handlers) as manager:
-    step = manager.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint found in {directory}")
-    # Only `params`: a partial tree of the saved state, without optimizer moments.
-    abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, params_template)}
-    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        abstract, restore_args=restore_args, partial_restore=True)))
-    return restored["state"]["params"], step
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+  # Only `params`: a partial tree of the saved state, without optimizer moments.
+  abstract = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, params_template)}
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  args = ocp.args.Composite(state=ocp.args.PyTreeRestore(abstract, restore_args=restore_args,
+                                                         partial_restore=True))
+  absl_log = logging.getLogger("absl")
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)  # Orbax warns that a read-only manager is read-only
+  try:
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  finally:
+    absl_log.setLevel(level)
+  with manager:
+    restored, step, _ = restore_newest(directory, lambda s: manager.restore(s, args=args), step)
+  return restored["state"]["params"], step

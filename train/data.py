@@ -91,27 +91,37 @@ def iter_jsonl(path: str, on_bad_json=None):
       yield line_no, record
 
 
-def _read_jsonl(path: str, text_key: str) -> list[str]:
+def _read_jsonl(path: str, text_key: str, skip_bad: bool = False) -> list[str]:
+  """The `text_key` strings of a .jsonl file; a bad record raises ValueError naming the file
+  and line, or with `skip_bad` is left out."""
   docs = []
-  for line_no, record in iter_jsonl(path):
+
+  def bad(line_no, message):
+    if not skip_bad:
+      raise ValueError(f"{path}:{line_no}: {message}")
+
+  for line_no, record in iter_jsonl(path, on_bad_json=bad if skip_bad else None):
     if not isinstance(record, dict) or text_key not in record:
-      raise ValueError(f"{path}:{line_no}: no key {text_key!r} in this JSON record")
+      bad(line_no, f"no key {text_key!r} in this JSON record")
+      continue
     text = record[text_key]
     if not isinstance(text, str):
-      raise ValueError(f"{path}:{line_no}: {text_key!r} is a {type(text).__name__}, "
-                       "expected a string")
+      bad(line_no, f"{text_key!r} is a {type(text).__name__}, expected a string")
+      continue
     if text.strip():
       docs.append(text)
   return docs
 
 
 def read_documents(path: str | Sequence[str], *, text_key: str = "text",
-                   doc_separator: str = "\n\n") -> list[str]:
-  """All non-empty documents of all files, in file order then in-file order."""
+                   doc_separator: str = "\n\n", skip_bad: bool = False) -> list[str]:
+  """All non-empty documents of all files, in file order then in-file order; `skip_bad`
+  leaves out JSONL records that do not parse or hold no `text_key` string (a tokenizer's
+  training text: the task's own reader decides what bad records mean)."""
   docs = []
   for file in resolve_paths(path):
     if file.endswith(JSONL_SUFFIXES):
-      docs.extend(_read_jsonl(file, text_key))
+      docs.extend(_read_jsonl(file, text_key, skip_bad))
     elif file.endswith(TEXT_SUFFIXES):
       docs.extend(_read_text(file, doc_separator))
     else:
@@ -140,10 +150,11 @@ def split_documents(docs: Iterable[str], split: str, val_fraction: float) -> lis
 # --- The grain pipeline ---
 
 
-def load_split(data_cfg: Mapping[str, Any], split: str) -> list[str]:
-  """The documents of `split` ("train" or "validation") named by `data_cfg`."""
+def load_split(data_cfg: Mapping[str, Any], split: str, skip_bad: bool = False) -> list[str]:
+  """The documents of `split` ("train" or "validation") named by `data_cfg` (`skip_bad`:
+  read_documents')."""
   docs = read_documents(data_cfg["path"], text_key=data_cfg["text_key"],
-                        doc_separator=data_cfg["doc_separator"])
+                        doc_separator=data_cfg["doc_separator"], skip_bad=skip_bad)
   docs = split_documents(docs, split, float(data_cfg["val_fraction"]))
   if not docs:
     raise ValueError(f"the {split} split of data.path={data_cfg['path']!r} is empty "

@@ -19,9 +19,10 @@ import os
 from typing import Iterable, Sequence
 
 from train import assets
+from train.data_root import data_path, resolve
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REGISTRY = os.path.join(REPO, "data", "protected_evals.json")
+REGISTRY = data_path("protected_evals.json")
 FORMATS = ("jsonl", "json", "csv", "jsonl.gz")
 
 
@@ -107,7 +108,7 @@ def register_asset(asset_path: str, *, name: str | None = None,
 
 
 def abspath(p: str) -> str:
-  return p if os.path.isabs(p) else os.path.join(REPO, p)
+  return resolve(p, REPO)
 
 
 def read_rows(entry: dict) -> list:

@@ -18,9 +18,9 @@ import jax
 from ml_collections import ConfigDict
 
 import parallel
-from models import param_count
+from models import ConfigError, param_count
 from train import flops as flops_lib
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, committed_steps
 from train.fault import AnomalyDetector, AnomalyLog, Goodput, Preempted, PreemptionGuard
 from train.gate import EvalGate, gate_configured
 from train.metrics import MetricsWriter
@@ -28,6 +28,7 @@ from train.setup import plan_run
 from train.task import LMTask, first, to_global
 from train.task import batch_sharding as make_batch_sharding
 from train.watchdog import Watchdog
+from train.workdir import save_metadata
 
 
 def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=None,
@@ -43,7 +44,17 @@ def train(config: ConfigDict, workdir: str, stop_at: int | None = None, task=Non
   task = LMTask(config) if task is None else task
   check_gate(config, task, gate)  # before anything is written
   run = _Run(config, os.path.abspath(workdir), task)  # plan, data, optimizer, state
-  run.resume()
+  try:
+    run.resume()
+  except BaseException:
+    run.ckpt.close()  # Orbax's background threads, or exiting prints their asyncio errors
+    raise
+  if run.start == config.steps:
+    run.ckpt.close()
+    if jax.process_index() == 0:
+      print(f"meshlm: already at step {run.start} of config.steps={config.steps}: nothing to do",
+            flush=True)
+    return {}
   run.start_gate(gate)
   run.begin(stop_at)
   try:
@@ -102,12 +113,19 @@ class _Run:
 
   def resume(self) -> None:
     """The newest readable checkpoint's state and data position, if there is one."""
-    if self.ckpt.latest_step() is not None:
+    if committed_steps(self.ckpt.directory):
       t = time.perf_counter()
       self.state, _ = self.ckpt.restore(self.state, self.train_iter)
       self.goodput.add("restore", time.perf_counter() - t)
     self.start = self.step = int(self.state["step"])
     self.config_json = self.config.to_dict()
+    if self.start > self.config.steps:
+      raise ConfigError(f"config.steps={self.config.steps} is below step {self.start}, where "
+                        f"this run's newest checkpoint is ({self.workdir}): a run cannot go "
+                        "back; pass a larger config.steps or a new --workdir")
+    if self.plan.resuming and self.start < self.config.steps:
+      # Only now: a restore that failed has left the run's own config in place.
+      save_metadata(self.workdir, self.plan.model_cfg, self.plan.tokenizer)
 
   def start_gate(self, gate: EvalGate | None) -> None:
     """The gate started from the starting model (which it may evaluate as its baseline)."""

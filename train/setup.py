@@ -13,6 +13,7 @@ from train import workdir as workdir_lib
 from train.defaults import model_config_from
 from train.mlm_data import mask_id
 from train.seq2seq_data import tokenizer_texts
+from train.state import abstract_model
 from train.tokenizer_training import train_bpe_tokenizer
 
 ANOMALY_POLICIES = ("skip", "rollback")
@@ -72,7 +73,9 @@ def resolve_tokenizer(config: ConfigDict, workdir: str) -> Tokenizer:
     if config.data.task == "seq2seq":  # the task's own text: its sources and targets
       texts = tokenizer_texts(config.data)
     else:
-      texts = data_lib.load_split(config.data, "train")
+      # Leniently: bad records are the task's to refuse (pretraining) or skip and count
+      # (alignment, align/datasets.py), not the tokenizer's.
+      texts = data_lib.load_split(config.data, "train", skip_bad=True)
     return train_bpe_tokenizer(texts, config.tokenizer.train_vocab_size)
   raise ConfigError("no tokenizer: set tokenizer.path, init_from or tokenizer.train_vocab_size")
 
@@ -99,6 +102,35 @@ def _initial_params(config: ConfigDict, model_cfg: ModelConfig):
   return model.cfg, nnx.state(model, nnx.Param)
 
 
+def param_shapes(model_cfg: ModelConfig) -> dict:
+  """{parameter path: (shape, dtype)} of `model_cfg`'s model, from shapes alone."""
+  _, params = abstract_model(model_cfg)
+  return {jax.tree_util.keystr(path): (leaf.shape, str(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def check_resume(workdir: str, model_cfg: ModelConfig) -> bool:
+  """Whether `workdir` holds a run to resume; ConfigError, naming each changed key, where
+  `model_cfg` gives its parameters other shapes than the run's own (model_config.json) does:
+  its checkpoints could not be restored into them."""
+  if not workdir_lib.is_workdir(workdir):
+    return False
+  try:
+    stored = workdir_lib.load_model_config(workdir)
+  except (OSError, ValueError, TypeError, KeyError) as e:
+    raise ConfigError(f"{workdir}/{workdir_lib.MODEL_CONFIG} is unreadable ({e}); resume "
+                      "needs it: restore it, or train in a new --workdir") from None
+  if param_shapes(stored) == param_shapes(model_cfg):
+    return True
+  old, new = stored.to_dict(), model_cfg.to_dict()
+  changed = [k for k in new if old.get(k) != new[k]]
+  raise ConfigError(
+      f"this run ({workdir}) has " + ", ".join(f"model.{k}={old.get(k)!r}" for k in changed)
+      + "; you passed " + ", ".join(f"{new[k]!r}" for k in changed) + ": its checkpoints "
+      "hold parameters of other shapes or types and cannot be resumed with these. Train in "
+      "a new --workdir (config.init_from can start it from this run when the shapes agree)")
+
+
 @dataclasses.dataclass
 class Plan:
   """The resolved pieces of a run: mesh, layout, tokenizer, model config, pipeline."""
@@ -108,10 +140,12 @@ class Plan:
   model_cfg: ModelConfig
   init_params: object
   pipeline: object
+  resuming: bool = False  # the workdir holds a run: its metadata is rewritten after restore
 
 
 def plan_run(config: ConfigDict, workdir: str, before_write=None) -> Plan:
-  """Validates and resolves; raises before writing anything, then writes the workdir metadata.
+  """Validates and resolves; raises before writing anything, then writes the workdir metadata
+  of a new run (a resumed run's once its checkpoint has restored: `Plan.resuming`).
   `before_write(plan)` runs last before the write (a task loading and checking its data)."""
   validate(config)
   mesh = parallel.make_mesh(config.mesh.to_dict())
@@ -144,8 +178,10 @@ def plan_run(config: ConfigDict, workdir: str, before_write=None) -> Plan:
         parallel.check_experts_divide(model_cfg.num_experts)
       except ValueError as e:
         raise ConfigError(f"{e} (mesh {dict(mesh.shape)}, sharding {config.sharding!r})") from None
-  plan = Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline)
+  resuming = check_resume(workdir, model_cfg)
+  plan = Plan(mesh, layout, tokenizer, model_cfg, init_params, pipeline, resuming)
   if before_write is not None:
     before_write(plan)
-  workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
+  if not resuming:
+    workdir_lib.save_metadata(workdir, model_cfg, tokenizer)
   return plan

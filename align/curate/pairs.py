@@ -29,6 +29,7 @@ import time
 import uuid
 
 import numpy as np
+import tqdm
 
 from align.curate import pool as pool_lib
 from align.curate.judge import (
@@ -313,7 +314,8 @@ class Builder:
       self._calibrate()
     chunk = max(self.cfg.student.batch // self.cfg.student.n, 1)
     with open(journal, "a") as f:
-      for s in range(0, len(todo), chunk):
+      for s in tqdm.tqdm(range(0, len(todo), chunk), desc="pairs", unit="batch", leave=False,
+                         disable=None):
         batch = todo[s:s + chunk]
         for prompt, cands in zip(batch, self._candidates(batch)):
           entry = self._route(pool_lib.prompt_id(prompt), prompt, cands)

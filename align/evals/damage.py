@@ -27,9 +27,9 @@ import sys
 from align.data import BadRecord, parse_hh
 from align.evals import refusal
 from align.evals.suites import atomic_write
+from train.data_root import data_path
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SOURCE = os.path.join(REPO, "data", "hh-rlhf", "harmless-base-test.jsonl.gz")
+SOURCE = data_path("hh-rlhf", "harmless-base-test.jsonl.gz")
 REFUSAL = "I'm sorry, but I can't help with that."
 KINDS = ("refuse", "comply")
 

@@ -18,8 +18,9 @@ import json
 import os
 from typing import Any, Callable, Iterable
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA = os.path.join(REPO, "data")
+from train.data_root import data_dir
+
+DATA = data_dir()
 PATHS = {
   "advbench": "advbench/harmful_behaviors.csv",
   "jbb_behaviors": "jailbreakbench/jbb_behaviors_100.derived.csv",

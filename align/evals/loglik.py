@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 
 from infer import kv_cache
@@ -130,7 +131,8 @@ def continuation_logliks(model, tokenizer, pairs, batch_size: int = 16, *,
     ll_N = np.zeros((len(seqs),), np.float64)
     greedy_N = np.zeros((len(seqs),), bool)
     order = sorted(range(len(seqs)), key=lambda i: (tails[i], i))  # similar lengths together
-    for at in range(0, len(order), batch_size):
+    for at in tqdm.tqdm(range(0, len(order), batch_size), desc="log-likelihoods", unit="batch",
+                        leave=False, disable=None):
       rows = order[at:at + batch_size]
       t = -(-max(tails[i] for i in rows) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
       tokens = np.zeros((batch_size, t), np.int32)

@@ -84,7 +84,9 @@ class ChatModel:
         prompts.append((i, self.prompt_ids(conv)))
       except (ValueError, TypeError, KeyError) as e:
         out[i] = Response("", "error", 0, error=str(e))
-    results = self.engine.generate([ids for _, ids in prompts], self.params) if prompts else []
+    results = (self.engine.generate([ids for _, ids in prompts], self.params,
+                                    progress=f"answers {self.name}".strip())
+               if prompts else [])
     for (i, _), r in zip(prompts, results):
       text = r.text
       clipped = len(text) > self.max_chars

@@ -1,20 +1,18 @@
 """What the reproduction configs share: their data and its held-out rule, the papers' model
 shapes, the pod layout of the paper-scale configs and the base of every `:smollm2` variant."""
 
-import os
-
 from ml_collections import ConfigDict
 
 from models.pretrained import smollm_path
+from train.data_root import data_path
 from train.defaults import base_config
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("paper", "smollm2")
 
 # Anthropic hh-rlhf helpful pairs (test splits, MIT): helpful-base (2,210 rows) and
 # helpful-rejection-sampled (2,688 rows), each less the rows that share a 13-gram with a
 # protected evaluation set (the decontaminated assets of data/hh-rlhf/PROVENANCE.md).
-HH_PAIRS = os.path.join(_REPO, "data", "hh-rlhf", "helpful-*-test-decontam", "v1", "data.jsonl")
+HH_PAIRS = data_path("hh-rlhf", "helpful-*-test-decontam", "v1", "data.jsonl")
 # Held out: a record iff its first user turn hashes below HH_VAL_FRACTION (blake2b / 2^64,
 # align.datasets.record_key), so every pair of one conversation opening, in either file, lands
 # on one side: 999 of the 4,898 records (3,899 train). docs/alignment.md counts what fits.
@@ -22,8 +20,8 @@ HH_VAL_FRACTION = 0.2
 
 # Arithmetic word problems, {"prompt", "answer"} records scored by the `arith` reward
 # (align/arith.py, registered in align/rewards.py); heldout.jsonl is never trained on.
-ARITH_TRAIN = os.path.join(_REPO, "data", "arith", "train.jsonl")
-ARITH_HELDOUT = os.path.join(_REPO, "data", "arith", "heldout.jsonl")
+ARITH_TRAIN = data_path("arith", "train.jsonl")
+ARITH_HELDOUT = data_path("arith", "heldout.jsonl")
 ARITH_REWARD = "arith"
 
 

@@ -15,6 +15,7 @@ weight. The model's own Block code runs; nothing here copies it.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from flax import nnx
 
 from models.quant.formats import QuantFormat, dequantize_values, quantize_values, scales_for
@@ -147,7 +148,8 @@ class BlockHessians:
 
   def __iter__(self):
     graphdef, state = nnx.split(self.model.blocks)
-    for layer in range(self.model.cfg.num_layers):
+    for layer in tqdm.tqdm(range(self.model.cfg.num_layers), desc="calibrating layers",
+                           unit="layer", leave=False, disable=None):
       block = nnx.merge(graphdef, jax.tree.map(lambda a, i=layer: a[i], state))
       hessians, outputs = self.record(block, self.paths, self.run)
       yield layer, block, hessians

@@ -10,6 +10,7 @@ on the command line). Each version gets its own continuous-batching engine
 import dataclasses
 import logging
 import os
+import time
 
 from infer.loading import load_any
 from infer.sampling import SamplingParams
@@ -60,26 +61,29 @@ class ServeOptions:
 
 def load_worker(path: str, role: str, opts: ServeOptions) -> EngineWorker:
   """The model at `path` behind a started engine thread, compiled as `opts.warmup` asks."""
+  log.info("%s: loading %s ...", role, path)
+  start = time.perf_counter()
   model, tokenizer = load_any(path)
   engine = PagedEngine(model, tokenizer, min(opts.max_model_len, model.cfg.max_seq_len),
                        opts.max_num_seqs, block_size=opts.block_size,
                        num_blocks=opts.num_kv_blocks, kv_dtype=opts.kv_dtype)
+  loaded = time.perf_counter()
+  log.info("%s: loaded in %.1f s; compiling (warmup=%s) ...", role, loaded - start, opts.warmup)
   if opts.warmup == "full":
     log.info("%s: compiled %d step shapes", role, engine.precompile())
   if opts.warmup != "none":  # compile prefill and decode now, not on the first client's time
     engine.generate([[tokenizer.eos_id or 0] * 3], SamplingParams(max_tokens=2))
+  log.info("%s: compiled in %.1f s", role, time.perf_counter() - loaded)
   log.info("%s: %s (%d KV blocks of %d tokens, %d MiB)", role, path, engine.blocks.num_blocks,
            opts.block_size, engine.cache_bytes >> 20)
   return EngineWorker(engine, role, path=path).start()
 
 
-def build(opts: ServeOptions, make_refusal=None, make_judge=None):
-  """(app, server): options checked, models loaded, engines warm and running.
-
-  The release monitor's checks come from the caller (they live above infer/):
-  `make_refusal(opts.refusal_classifier)` -> text -> refused?, and `make_judge(opts.judge)`
-  -> (prompt, text) -> reward; each may return None, and is called once the models load.
-  """
+def validate(opts: ServeOptions) -> ReleaseConfig:
+  """The release monitor's config from `opts`; ValueError naming the first bad option (a
+  flag), before anything loads."""
+  if not 0 < opts.port < 65536:  # 0 would pick a port at random, and never say which
+    raise ValueError(f"--port={opts.port} is not a port: use 1-65535")
   config = ReleaseConfig(
       canary_weight=opts.canary_weight, window_s=opts.rollback_window,
       min_samples=opts.rollback_min_samples, max_error_rate_delta=opts.max_error_rate_delta,
@@ -99,6 +103,17 @@ def build(opts: ServeOptions, make_refusal=None, make_judge=None):
   for path in filter(None, (opts.model, opts.canary, opts.judge)):
     if not os.path.exists(path):
       raise ValueError(f"model path {path} does not exist")
+  return config
+
+
+def build(opts: ServeOptions, make_refusal=None, make_judge=None):
+  """(app, server): options checked (`validate`), models loaded, engines warm and running.
+
+  The release monitor's checks come from the caller (they live above infer/):
+  `make_refusal(opts.refusal_classifier)` -> text -> refused?, and `make_judge(opts.judge)`
+  -> (prompt, text) -> reward; each may return None, and is called once the models load.
+  """
+  config = validate(opts)
   stable = load_worker(opts.model, "stable", opts)
   canary = load_worker(opts.canary, "canary", opts) if opts.canary else None
   name = opts.served_model_name or os.path.splitext(os.path.basename(
