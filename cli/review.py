@@ -39,6 +39,9 @@ def main(argv: list[str], command: str = "review") -> None:
   fv = make_flags(argv)
   parse(command, argv, fv, __doc__)
   require(command, fv, "db")
+  if not 0 <= fv["port"].value < 65536:
+    raise UsageError(f"meshlm {command}: --port={fv['port'].value} is not a port: use 0 (any "
+                     "free one) to 65535")
   if not fv["create"].value and not os.path.exists(fv["db"].value):
     raise UsageError(f"meshlm {command}: --db {fv['db'].value} does not exist (--create makes "
                      "a new, empty queue)")

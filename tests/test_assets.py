@@ -203,4 +203,4 @@ def test_data_cli_errors_and_entry_point(two_versions):
   assert "manifest: identical" in done.stdout and "added 0, removed 0" in done.stdout
   done = subprocess.run(cmd + ["ls", os.path.join(root, "missing")], cwd=REPO,
                         capture_output=True, text=True, timeout=120)
-  assert done.returncode != 0 and "no such directory" in done.stderr
+  assert done.returncode == 2 and "missing does not exist" in done.stderr, done.stderr
