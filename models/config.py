@@ -5,6 +5,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from models.rope import RopeScaling
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_saveable")
 MOE_IMPLS = ("dropless", "capacity")
@@ -37,6 +39,16 @@ class ModelConfig:
   head_dim: int | None = None
   mlp_dim: int = 704
   rope_theta: float = 10000.0
+  # Context extension (models/rope.py): default | linear | llama3 | yarn, with its parameters
+  # under transformers' names (rope_parameters).
+  rope_scaling: str = "default"
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0    # llama3, yarn: the pretraining context
+  rope_low_freq_factor: float = 1.0  # llama3
+  rope_high_freq_factor: float = 4.0  # llama3
+  rope_beta_fast: float = 32.0       # yarn
+  rope_beta_slow: float = 1.0        # yarn
+  rope_attention_factor: float = 0.0  # yarn: cos/sin scale (0: 0.1 ln(factor) + 1)
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
@@ -72,6 +84,7 @@ class ModelConfig:
   norm_position: str = "pre"     # pre: x + f(norm(x)); post (BERT): norm(x + f(x))
   mlp_activation: str = "swiglu"  # swiglu | geglu (gated tanh-GELU, T5 v1.1) | gelu (erf) | relu
   use_bias: bool = False         # biases on the q/k/v/o and MLP projections (BERT)
+  qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
   position: str = "rope"         # rope | learned (absolute table) | relative (T5 buckets) | none
   type_vocab_size: int = 0       # >0: token-type (segment A/B) embeddings, BERT
   relative_buckets: int = 32     # position="relative": buckets per direction pair
@@ -97,6 +110,9 @@ class ModelConfig:
       raise ConfigError(
           f"model.num_heads={self.num_heads} is not a multiple of "
           f"model.num_kv_heads={self.num_kv_heads}")
+    problem = self.rope.check()
+    if problem:
+      raise ConfigError(f"model.rope_scaling: {problem}")
     if self.head_dim % 2 and self.position == "rope":
       raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     for name in ("param_dtype", "dtype"):
@@ -220,6 +236,16 @@ class ModelConfig:
     return dataclasses.asdict(self)
 
   @property
+  def rope(self) -> RopeScaling:
+    """The rope_* fields as models/rope.py takes them."""
+    return RopeScaling(kind=self.rope_scaling, factor=self.rope_factor,
+                       original_max_len=self.rope_original_max_len,
+                       low_freq_factor=self.rope_low_freq_factor,
+                       high_freq_factor=self.rope_high_freq_factor,
+                       beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
+                       attention_factor=self.rope_attention_factor)
+
+  @property
   def is_moe(self) -> bool:
     return self.num_experts > 0
 
@@ -253,6 +279,8 @@ class ModelConfig:
                        f"model's arrays with models.param_count(cfg)")
     d, h = self.d_model, self.head_dim
     attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
+    if self.qkv_bias:
+      attn += h * (self.num_heads + 2 * self.num_kv_heads)
     per_layer = attn + self.mlp_params(active) + 2 * d
     n = self.num_layers * per_layer + d
     if include_embedding:

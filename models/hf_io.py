@@ -1,4 +1,5 @@
-"""Hugging Face Llama and Mixtral checkpoints: config.json mapping, tensor layout, safetensors I/O.
+"""Hugging Face decoder checkpoints: tensor layout and safetensors I/O (each family's
+config.json mapping and tensor names: models/hf_families.py).
 
 Our parameters are stored input-axes-first ([D, N, H], [D, F]) and stacked over a
 leading layers axis (and, for MoE experts, a second experts axis); Hugging Face stores
@@ -21,168 +22,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
+# Re-exported: models.pretrained, models.gguf_quant and models.hf_bert reach them through hf_io.
+from models.hf_families import (FLAT, config_from_hf, config_to_hf, lookup_name,  # noqa: F401
+                                 name_table)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
-
-# Our param path -> (Hugging Face name, number of leading "input" axes in our layout).
-# 0 means the tensor is copied as is; n > 0 means HF [out, in] <-> ours [in..., out...].
-# In per-layer names "{0}" is the layer index and "{1}" the expert index: each "{}" is
-# one leading stacked axis of our param ([L, ...] or [L, E, ...]) that HF stores as
-# separate tensors.
-_GLOBAL = {
-    ("embed_VD",): ("model.embed_tokens.weight", 0),
-    ("final_norm", "scale"): ("model.norm.weight", 0),
-    ("unembed_DV",): ("lm_head.weight", 1),
-}
-_LAYER = {
-    ("attn", "wq_DNH"): ("self_attn.q_proj.weight", 1),
-    ("attn", "wk_DKH"): ("self_attn.k_proj.weight", 1),
-    ("attn", "wv_DKH"): ("self_attn.v_proj.weight", 1),
-    ("attn", "wo_NHD"): ("self_attn.o_proj.weight", 2),
-    ("attn_norm", "scale"): ("input_layernorm.weight", 0),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
-}
-_DENSE_MLP = {
-    ("mlp", "gate_DF"): ("mlp.gate_proj.weight", 1),
-    ("mlp", "up_DF"): ("mlp.up_proj.weight", 1),
-    ("mlp", "down_FD"): ("mlp.down_proj.weight", 1),
-}
-# Mixtral as published on the Hub, and as transformers 5 still saves it by default.
-_MOE_MLP = {
-    ("mlp", "router_DE"): ("block_sparse_moe.gate.weight", 1),
-    ("mlp", "gate_EDF"): ("block_sparse_moe.experts.{1}.w1.weight", 1),
-    ("mlp", "up_EDF"): ("block_sparse_moe.experts.{1}.w3.weight", 1),
-    ("mlp", "down_EFD"): ("block_sparse_moe.experts.{1}.w2.weight", 1),
-}
-# model_type -> (architecture, transformers' defaults for keys a config.json may omit).
-_ARCHS = {
-    "llama": ("LlamaForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
-                                       max_position_embeddings=2048, num_key_value_heads=None)),
-    "mixtral": ("MixtralForCausalLM", dict(rope_theta=1e6, rms_norm_eps=1e-5,
-                                           max_position_embeddings=131072, num_key_value_heads=8,
-                                           num_local_experts=8, num_experts_per_tok=2,
-                                           router_aux_loss_coef=0.001)),
-}
-# ModelConfig fields HF Mixtral cannot express, with the only value export accepts.
-_MIXTRAL_FIXED = {
-    "shared_mlp_dim": (0, "Mixtral has no shared expert"),
-    "router_bias_rate": (0.0, "Mixtral's router has no expert-selection bias"),
-    "router_norm": ("topk", "Mixtral renormalises the softmax over the chosen experts"),
-}
-_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def _first(value):
-  return value[0] if isinstance(value, (list, tuple)) else value
-
-
-def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-  """ModelConfig from a Llama or Mixtral config.json; what we cannot run exactly is rejected."""
-  arch, model_type = hf.get("architectures") or [], hf.get("model_type")
-  if model_type not in _ARCHS or any(a != _ARCHS[model_type][0] for a in arch):
-    raise ValueError(f"unsupported architecture {arch or model_type!r} (model_type={model_type!r})"
-                     f" in {source}; only LlamaForCausalLM (model_type 'llama'), "
-                     "MixtralForCausalLM ('mixtral'), BERT encoders ('bert', models/hf_bert.py) "
-                     "and T5ForConditionalGeneration ('t5', models/hf_t5.py) are supported")
-  defaults = _ARCHS[model_type][1]
-
-  def get(key):
-    return hf.get(key, defaults.get(key))
-
-  for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key):
-      raise ValueError(f"{source}: {key}=true is not supported (the decoder has no biases)")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
-  if hf.get("sliding_window") is not None:
-    raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (the "
-                     "decoder has no sliding-window attention); only null")
-  # transformers 4 writes rope_theta/rope_scaling; 5 writes rope_parameters.
-  rope = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  for params in (rope, scaling):
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-      raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported; only plain RoPE")
-  heads = hf["num_attention_heads"]
-  dtype = _DTYPE_NAMES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), "float32")
-  values = dict(
-      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
-      norm_eps=float(get("rms_norm_eps")),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_seq_len=get("max_position_embeddings"),
-      param_dtype=dtype, dtype=dtype,
-      bos_id=_first(hf.get("bos_token_id")), eos_id=_first(hf.get("eos_token_id")))
-  if model_type == "mixtral":
-    # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
-    # gives the same gradient. router_jitter_noise only perturbs HF training: ignored.
-    k = get("num_experts_per_tok")
-    values.update(num_experts=get("num_local_experts"), top_k=k, router_norm="topk",
-                  moe_impl="dropless", aux_loss_weight=float(get("router_aux_loss_coef")) * k)
-  values.update({key: v for key, v in overrides.items() if v is not None})
-  return ModelConfig(**values)
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-  """config.json for LlamaForCausalLM, or MixtralForCausalLM for an MoE config.
-
-  Readable by transformers 4 (rope_theta) and 5. An MoE config must keep to what
-  Mixtral expresses (_MIXTRAL_FIXED); moe_impl="capacity" exports the same weights,
-  which transformers then runs dropless.
-  """
-  if not cfg.plain_llama:
-    raise ValueError(
-        f"export_hf writes Llama/Mixtral checkpoints; this model (arch={cfg.arch!r}, norm="
-        f"{cfg.norm!r}/{cfg.norm_position!r}, mlp_activation={cfg.mlp_activation!r}, position="
-        f"{cfg.position!r}, use_bias={cfg.use_bias}, attention_scale={cfg.attention_scale}) would "
-        "load as a different model")
-  if cfg.sliding_window:
-    # Written as is, transformers would run full attention: refuse instead of changing the model.
-    raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported: "
-                     "LlamaForCausalLM/MixtralForCausalLM exports run full attention")
-  arch = "mixtral" if cfg.is_moe else "llama"
-  hf = {
-      "architectures": [_ARCHS[arch][0]], "model_type": arch,
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-      "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-      "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
-  }
-  if not cfg.is_moe:
-    return {**hf, "attention_bias": False, "mlp_bias": False}
-  for field, (allowed, why) in _MIXTRAL_FIXED.items():
-    if getattr(cfg, field) != allowed:
-      raise ValueError(f"cannot export as MixtralForCausalLM: model.{field}="
-                       f"{getattr(cfg, field)!r} ({why}; only {allowed!r} can be exported)")
-  return {**hf, "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
-          "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k,  # see config_from_hf
-          "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
-
-
-def name_table(cfg: ModelConfig) -> dict:
-  """Our param path -> (HF name template, n_in) for this config's architecture."""
-  layer = {**_LAYER, **(_MOE_MLP if cfg.is_moe else _DENSE_MLP)}
-  return {**_GLOBAL,
-          **{("blocks", *path): ("model.layers.{0}." + name, n_in)
-             for path, (name, n_in) in layer.items()}}
-
-
-def lookup_name(table: dict, path: tuple) -> tuple[str, int]:
-  """(HF name template, n_in) of param `path` in a `name_table`; ValueError if it has none."""
-  if path not in table:  # e.g. MoE extras that config_to_hf rejects first
-    raise ValueError(f"parameter {'.'.join(map(str, path))} has no Hugging Face equivalent")
-  return table[path]
-
 
 # transformers 5's in-memory Mixtral layout (what save_pretrained(save_original_format=False)
 # writes): per layer mlp.gate.weight [E, D], mlp.experts.gate_up_proj [E, 2F, D] (w1 rows,
@@ -230,7 +76,6 @@ def _unfuse_experts(cfg: ModelConfig, read: Callable, names: Iterable[str]):
   return read_legacy, rest + list(virtual)
 
 
-FLAT = -1  # layout code: a 1-D checkpoint tensor reshaped to our (multi-axis) shape
 
 
 class TensorReader:
@@ -305,7 +150,10 @@ def params_to_hf(model) -> dict[str, np.ndarray]:
     template, n_in = lookup_name(table, path)
     for index in np.ndindex(*arr.shape[:template.count("{")]):
       a = arr[index]
-      a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T if n_in else a
+      if n_in == FLAT:
+        a = a.reshape(-1)
+      elif n_in:
+        a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T
       tensors[template.format(*index)] = np.ascontiguousarray(a)
   return tensors
 

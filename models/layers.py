@@ -14,6 +14,7 @@ from flax import nnx
 
 from models.attention import attention
 from models import matmul as matmul_lib
+from models import rope as rope_lib
 from models.config import ModelConfig
 from parallel import constrain
 
@@ -104,16 +105,9 @@ def Norm(cfg: ModelConfig) -> RMSNorm:  # noqa: N802 (a module factory, used lik
   return LayerNorm(cfg) if cfg.norm == "layer" else RMSNorm(cfg)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama."""
-  h = x_BTNH.shape[-1]
-  inv_freq_H2 = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)
-  angle_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_H2
-  sin, cos = jnp.sin(angle_BTH2)[:, :, None, :], jnp.cos(angle_BTH2)[:, :, None, :]
-  x = x_BTNH.astype(jnp.float32)
-  x1, x2 = x[..., : h // 2], x[..., h // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTNH.dtype)
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Rotary embedding of `cfg` (its base and context-extension scheme: models/rope.py)."""
+  return rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
 
 
 class Attention(nnx.Module):
@@ -135,10 +129,11 @@ class Attention(nnx.Module):
     self.wk_DKH = normal_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
     self.wv_DKH = normal_param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
     self.wo_NHD = normal_param(rngs, (n, h, d), ("heads", "head_dim", "embed"), cfg, std)
-    if cfg.use_bias:
+    if cfg.use_bias or cfg.qkv_bias:
       self.bq_NH = zeros_param((n, h), ("heads", "head_dim"), cfg)
       self.bk_KH = zeros_param((k, h), ("kv_heads", "head_dim"), cfg)
       self.bv_KH = zeros_param((k, h), ("kv_heads", "head_dim"), cfg)
+    if cfg.use_bias:
       self.bo_D = zeros_param((d,), ("embed",), cfg)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
@@ -192,7 +187,7 @@ class Attention(nnx.Module):
     dt = cfg.jnp_dtype
     q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
     if positions_BT is not None and cfg.position == "rope":
-      q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
+      q_BTNH = rope(q_BTNH, positions_BT, cfg)
     return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
 
   def _kv(self, x_BSD, positions_BS):
@@ -201,12 +196,12 @@ class Attention(nnx.Module):
     k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
     v_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wv_DKH), self._b("bv_KH"), dt)
     if positions_BS is not None and cfg.position == "rope":
-      k_BSKH = rope(k_BSKH, positions_BS, cfg.rope_theta)
+      k_BSKH = rope(k_BSKH, positions_BS, cfg)
     return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),
             constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)))
 
   def _b(self, name):
-    return getattr(self, name) if self.cfg.use_bias else None
+    return getattr(self, name, None)
 
   def _proj(self, spec, x, w):
     return project(spec, x, w, self.cfg.jnp_dtype, self.cfg.matmul)

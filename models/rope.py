@@ -1,0 +1,178 @@
+"""Rotary position embeddings and the context-extension schemes of the model families meshlm
+loads: each scheme changes only the rotation frequencies (and, for YaRN, scales cos and sin).
+
+  default  theta^(-2i/H)
+  linear   default / factor (position interpolation)
+  llama3   Llama 3.1's: low frequencies / factor, high ones kept, a smooth ramp between
+  yarn     YaRN: per-frequency blend of interpolated and original by a ramp over
+           [beta_fast, beta_slow] rotations, cos and sin scaled by 0.1 ln(factor) + 1
+
+The frequencies are a function of the config alone, computed once in numpy at trace time,
+as transformers' modeling_rope_utils computes them (the parity tests hold it to that).
+`RopeScaling` is the part of ModelConfig that names the scheme.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCHEMES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A context-extension scheme and its parameters (transformers' rope_parameters names)."""
+  kind: str = "default"
+  factor: float = 1.0
+  original_max_len: int = 0          # llama3, yarn: the pretraining context
+  low_freq_factor: float = 1.0       # llama3
+  high_freq_factor: float = 4.0      # llama3
+  beta_fast: float = 32.0            # yarn
+  beta_slow: float = 1.0             # yarn
+  attention_factor: float = 0.0      # yarn: cos/sin scale; 0 derives it from factor
+  truncate: bool = True              # yarn: round the ramp's ends to whole dimensions
+
+  def check(self) -> str | None:
+    """What is wrong with these parameters, or None."""
+    if self.kind not in SCHEMES:
+      return f"rope scaling {self.kind!r}; choose one of {SCHEMES}"
+    if self.kind != "default" and not self.factor > 0:
+      return f"rope scaling {self.kind!r} needs factor > 0, got {self.factor}"
+    if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
+      return f"rope scaling {self.kind!r} needs original_max_len > 0"
+    if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      return "llama3 rope scaling needs high_freq_factor > low_freq_factor"
+    return None
+
+
+def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[np.ndarray, float]:
+  """(inverse frequencies [head_dim / 2] as float32, the cos/sin scale)."""
+  dim = head_dim
+  inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+  kind = scaling.kind
+  if kind == "default":
+    return inv_freq.astype(np.float32), 1.0
+  if kind == "linear":
+    return (inv_freq / scaling.factor).astype(np.float32), 1.0
+  if kind == "llama3":
+    factor, old = scaling.factor, scaling.original_max_len
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = ((old / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+  return _yarn(dim, theta, scaling)
+
+
+def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
+  factor = s.factor
+  attention = s.attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+  def correction_dim(rotations):
+    return dim * math.log(s.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  pos_freqs = theta ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+  extrapolation = 1.0 / pos_freqs
+  interpolation = 1.0 / (factor * pos_freqs)
+  keep = 1 - ramp  # the share of the original (extrapolated) frequency
+  inv_freq = interpolation * (1 - keep) + extrapolation * keep
+  return inv_freq.astype(np.float32), float(attention)
+
+
+def apply(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
+          scaling: RopeScaling = RopeScaling()) -> jax.Array:
+  """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama."""
+  h = x_BTNH.shape[-1]
+  if scaling.kind == "default":  # computed in JAX as always: the parity goldens stay bitwise
+    inv_freq, scale = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
+  else:
+    inv_freq, scale = frequencies(h, theta, scaling)
+  angle_BTH2 = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+  sin, cos = jnp.sin(angle_BTH2)[:, :, None, :], jnp.cos(angle_BTH2)[:, :, None, :]
+  if scale != 1.0:
+    sin, cos = sin * scale, cos * scale
+  x = x_BTNH.astype(jnp.float32)
+  x1, x2 = x[..., : h // 2], x[..., h // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTNH.dtype)
+
+
+# transformers' rope_parameters keys -> ModelConfig's rope_* fields.
+_HF_FIELDS = {"factor": "rope_factor", "original_max_position_embeddings": "rope_original_max_len",
+              "low_freq_factor": "rope_low_freq_factor",
+              "high_freq_factor": "rope_high_freq_factor", "beta_fast": "rope_beta_fast",
+              "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor"}
+# Keys a scheme may carry that change nothing here (transformers' own bookkeeping).
+_HF_IGNORED = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+
+
+def merge_hf(parameters: dict, scaling: dict, source: str) -> dict:
+  """One scheme from transformers 5's rope_parameters and 4's rope_scaling, which a config
+  may both carry: the one that is not plain RoPE; ValueError where they name two."""
+  def kind(d):
+    return d.get("rope_type", d.get("type")) or "default"
+  if kind(scaling) == "default":
+    return parameters
+  if kind(parameters) not in ("default", kind(scaling)):
+    raise ValueError(f"{source}: rope_parameters ({kind(parameters)!r}) and rope_scaling "
+                     f"({kind(scaling)!r}) name different schemes")
+  return {**parameters, **scaling}
+
+
+def from_hf(params: dict, source: str, max_position_embeddings: int | None) -> dict:
+  """ModelConfig rope_* fields from a config.json's rope_parameters / rope_scaling dict;
+  ValueError naming what cannot be run exactly."""
+  kind = params.get("rope_type", params.get("type")) or "default"
+  if kind not in SCHEMES:
+    raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; only "
+                     f"{', '.join(SCHEMES)}")
+  if params.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError(f"{source}: partial_rotary_factor={params['partial_rotary_factor']} is "
+                     "not supported (every head dimension rotates)")
+  if kind == "default":
+    return {"rope_scaling": "default"}
+  unknown = sorted(set(params) - set(_HF_FIELDS) - _HF_IGNORED - {"truncate"})
+  if unknown:  # e.g. YaRN's mscale / mscale_all_dim (DeepSeek): not modelled here
+    raise ValueError(f"{source}: rope scaling {kind!r} with {unknown} is not supported")
+  if params.get("truncate", True) is not True:
+    raise ValueError(f"{source}: yarn truncate=false is not supported")
+  out = {"rope_scaling": kind}
+  out.update({field: params[key] for key, field in _HF_FIELDS.items()
+              if params.get(key) is not None})
+  if kind == "yarn" and "rope_original_max_len" not in out and max_position_embeddings:
+    out["rope_original_max_len"] = max_position_embeddings  # transformers' fallback
+  if kind == "yarn" and "rope_factor" not in out:
+    out["rope_factor"] = max_position_embeddings / out["rope_original_max_len"]
+  return out
+
+
+def to_hf(scaling: RopeScaling, theta: float) -> dict:
+  """rope_parameters for a config.json (transformers 5; 4 reads it as rope_scaling)."""
+  out = {"rope_type": scaling.kind, "rope_theta": theta}
+  if scaling.kind == "default":
+    return out
+  out["factor"] = scaling.factor
+  if scaling.kind == "llama3":
+    out.update(low_freq_factor=scaling.low_freq_factor,
+               high_freq_factor=scaling.high_freq_factor,
+               original_max_position_embeddings=scaling.original_max_len)
+  elif scaling.kind == "yarn":
+    out.update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
+               original_max_position_embeddings=scaling.original_max_len)
+    if scaling.attention_factor:
+      out["attention_factor"] = scaling.attention_factor
+  return out
