@@ -85,6 +85,7 @@ class ModelConfig:
   mlp_activation: str = "swiglu"  # swiglu | geglu (gated tanh-GELU, T5 v1.1) | gelu (erf) | relu
   use_bias: bool = False         # biases on the q/k/v/o and MLP projections (BERT)
   qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
+  qk_norm: bool = False          # RMSNorm over each head's query and key before RoPE (Qwen3)
   position: str = "rope"         # rope | learned (absolute table) | relative (T5 buckets) | none
   type_vocab_size: int = 0       # >0: token-type (segment A/B) embeddings, BERT
   relative_buckets: int = 32     # position="relative": buckets per direction pair
@@ -281,6 +282,8 @@ class ModelConfig:
     attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
     if self.qkv_bias:
       attn += h * (self.num_heads + 2 * self.num_kv_heads)
+    if self.qk_norm:
+      attn += 2 * h
     per_layer = attn + self.mlp_params(active) + 2 * d
     n = self.num_layers * per_layer + d
     if include_embedding:

@@ -5,6 +5,7 @@ models/hf_io.py reads and writes the tensors by these names.
   llama    LlamaForCausalLM: RoPE (with Llama 3.x's and other context-extension schemes,
            models/rope.py), no biases
   qwen2    Qwen2ForCausalLM: Llama plus biases on the q/k/v projections
+  qwen3    Qwen3ForCausalLM: Llama plus an RMSNorm over each head's query and key
   mixtral  MixtralForCausalLM: Llama with a top-k routed mixture of experts
 """
 
@@ -42,6 +43,11 @@ _QKV_BIAS = {
     ("attn", "bk_KH"): ("self_attn.k_proj.bias", FLAT),
     ("attn", "bv_KH"): ("self_attn.v_proj.bias", FLAT),
 }
+# Qwen3's RMSNorm over each head's query and key (model.qk_norm).
+_QK_NORM = {
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
+}
 # Mixtral as published on the Hub, and as transformers 5 still saves it by default.
 _MOE_MLP = {
     ("mlp", "router_DE"): ("block_sparse_moe.gate.weight", 1),
@@ -55,6 +61,9 @@ _ARCHS = {
                                        max_position_embeddings=2048, num_key_value_heads=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
                                        max_position_embeddings=32768, num_key_value_heads=32)),
+    "qwen3": ("Qwen3ForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
+                                       max_position_embeddings=32768, num_key_value_heads=32,
+                                       head_dim=128)),
     "mixtral": ("MixtralForCausalLM", dict(rope_theta=1e6, rms_norm_eps=1e-5,
                                            max_position_embeddings=131072, num_key_value_heads=8,
                                            num_local_experts=8, num_experts_per_tok=2,
@@ -74,13 +83,14 @@ def _first(value):
 
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-  """ModelConfig from a Llama, Qwen2 or Mixtral config.json; what we cannot run exactly is
-  rejected."""
+  """ModelConfig from a Llama, Qwen2, Qwen3 or Mixtral config.json; what we cannot run
+  exactly is rejected."""
   arch, model_type = hf.get("architectures") or [], hf.get("model_type")
   if model_type not in _ARCHS or any(a != _ARCHS[model_type][0] for a in arch):
     raise ValueError(f"unsupported architecture {arch or model_type!r} (model_type={model_type!r})"
                      f" in {source}; only LlamaForCausalLM (model_type 'llama'), "
-                     "Qwen2ForCausalLM ('qwen2'), MixtralForCausalLM ('mixtral'), BERT "
+                     "Qwen2ForCausalLM ('qwen2'), Qwen3ForCausalLM ('qwen3'), "
+                     "MixtralForCausalLM ('mixtral'), BERT "
                      "encoders ('bert', models/hf_bert.py) "
                      "and T5ForConditionalGeneration ('t5', models/hf_t5.py) are supported")
   defaults = _ARCHS[model_type][1]
@@ -89,12 +99,12 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
     return hf.get(key, defaults.get(key))
 
   for key in ("attention_bias", "mlp_bias"):
-    if hf.get(key):
+    if hf.get(key):  # Llama's and Qwen3's put one on the output projection too
       raise ValueError(f"{source}: {key}=true is not supported (the decoder has no biases)")
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
-  # Qwen2 writes a window it does not use unless use_sliding_window is set.
-  unused_window = model_type == "qwen2" and not hf.get("use_sliding_window", False)
+  # Qwen2 and Qwen3 write a window they do not use unless use_sliding_window is set.
+  unused_window = model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False)
   if hf.get("sliding_window") is not None and not unused_window:
     raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (the "
                      "decoder has no sliding-window attention); only null")
@@ -107,7 +117,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
   values = dict(
       vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
       num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      head_dim=get("head_dim") or hf["hidden_size"] // heads,
       mlp_dim=hf["intermediate_size"],
       rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
       norm_eps=float(get("rms_norm_eps")),
@@ -117,6 +127,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
       bos_id=_first(hf.get("bos_token_id")), eos_id=_first(hf.get("eos_token_id")), **scaling)
   if model_type == "qwen2":
     values["qkv_bias"] = True
+  if model_type == "qwen3":
+    values["qk_norm"] = True
   if model_type == "mixtral":
     # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
     # gives the same gradient. router_jitter_noise only perturbs HF training: ignored.
@@ -128,7 +140,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  """config.json for LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), or MixtralForCausalLM
+  """config.json for LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM
+  (per-head q/k norms), or MixtralForCausalLM
   for an MoE config.
 
   Readable by transformers 4 (rope_theta) and 5. An MoE config must keep to what
@@ -145,10 +158,11 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     # Written as is, transformers would run full attention: refuse instead of changing the model.
     raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported: "
                      "LlamaForCausalLM/MixtralForCausalLM exports run full attention")
-  arch = "mixtral" if cfg.is_moe else "qwen2" if cfg.qkv_bias else "llama"
-  if cfg.is_moe and cfg.qkv_bias:
-    raise ValueError("model.qkv_bias with experts has no Hugging Face family here (Qwen2-MoE "
-                     "adds a shared expert): cannot export")
+  arch = ("mixtral" if cfg.is_moe else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias
+          else "llama")
+  if cfg.is_moe and (cfg.qkv_bias or cfg.qk_norm) or cfg.qkv_bias and cfg.qk_norm:
+    raise ValueError(f"no Hugging Face family here has qkv_bias={cfg.qkv_bias}, "
+                     f"qk_norm={cfg.qk_norm} and num_experts={cfg.num_experts}: cannot export")
   hf = {
       "architectures": [_ARCHS[arch][0]], "model_type": arch,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -160,9 +174,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
       "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
   }
-  if arch == "qwen2":
+  if arch in ("qwen2", "qwen3"):
     return {**hf, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": cfg.num_layers}
+            "max_window_layers": cfg.num_layers,
+            **({"attention_bias": False} if arch == "qwen3" else {})}
   if not cfg.is_moe:
     return {**hf, "attention_bias": False, "mlp_bias": False}
   for field, (allowed, why) in _MIXTRAL_FIXED.items():
@@ -177,7 +192,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 def name_table(cfg: ModelConfig) -> dict:
   """Our param path -> (HF name template, n_in) for this config's architecture."""
   layer = {**_LAYER, **(_MOE_MLP if cfg.is_moe else _DENSE_MLP),
-           **(_QKV_BIAS if cfg.qkv_bias else {})}
+           **(_QKV_BIAS if cfg.qkv_bias else {}), **(_QK_NORM if cfg.qk_norm else {})}
   return {**_GLOBAL,
           **{("blocks", *path): ("model.layers.{0}." + name, n_in)
              for path, (name, n_in) in layer.items()}}

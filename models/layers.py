@@ -73,11 +73,13 @@ def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
 class RMSNorm(nnx.Module):
   """y = x / rms(x) * scale, computed in float32 (T5's "layer norm" is this too)."""
 
-  def __init__(self, cfg: ModelConfig):
+  def __init__(self, cfg: ModelConfig, dim: int | None = None, axis: str = "embed"):
+    """Over the last axis: d_model by default; `dim` and its logical `axis` name otherwise
+    (Qwen3's per-head query/key norm: head_dim)."""
     self.eps = cfg.norm_eps
     self.dtype = cfg.jnp_dtype
-    self.scale = nnx.Param(jnp.ones((cfg.d_model,), cfg.jnp_param_dtype), out_sharding=("embed",),
-                           eager_sharding=False)
+    self.scale = nnx.Param(jnp.ones((dim or cfg.d_model,), cfg.jnp_param_dtype),
+                           out_sharding=(axis,), eager_sharding=False)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     x = x_BTD.astype(jnp.float32)
@@ -135,6 +137,9 @@ class Attention(nnx.Module):
       self.bv_KH = zeros_param((k, h), ("kv_heads", "head_dim"), cfg)
     if cfg.use_bias:
       self.bo_D = zeros_param((d,), ("embed",), cfg)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's query and key, before RoPE
+      self.q_norm = RMSNorm(cfg, h, "head_dim")
+      self.k_norm = RMSNorm(cfg, h, "head_dim")
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
                bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None):
@@ -186,6 +191,8 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
+    if cfg.qk_norm:
+      q_BTNH = self.q_norm(q_BTNH)
     if positions_BT is not None and cfg.position == "rope":
       q_BTNH = rope(q_BTNH, positions_BT, cfg)
     return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
@@ -195,6 +202,8 @@ class Attention(nnx.Module):
     dt = cfg.jnp_dtype
     k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
     v_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wv_DKH), self._b("bv_KH"), dt)
+    if cfg.qk_norm:
+      k_BSKH = self.k_norm(k_BSKH)
     if positions_BS is not None and cfg.position == "rope":
       k_BSKH = rope(k_BSKH, positions_BS, cfg)
     return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),

@@ -27,6 +27,9 @@ FAMILIES = {
     # Qwen2.5-0.5B's shape in small: q/k/v biases, tied embeddings, rope base 1e6.
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, rope_theta=1e6, tie_word_embeddings=True,
                                               use_sliding_window=False, sliding_window=4096),
+    # Qwen3-0.6B's in small: per-head q/k RMSNorm, head_dim 32 (not hidden / heads = 16).
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, rope_theta=1e6, head_dim=32,
+                                              tie_word_embeddings=True, use_sliding_window=False),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,
