@@ -6,6 +6,7 @@ models/hf_io.py reads and writes the tensors by these names.
            models/rope.py), no biases
   qwen2    Qwen2ForCausalLM: Llama plus biases on the q/k/v projections
   qwen3    Qwen3ForCausalLM: Llama plus an RMSNorm over each head's query and key
+  mistral  MistralForCausalLM: Llama with sliding-window attention (every layer, one window)
   mixtral  MixtralForCausalLM: Llama with a top-k routed mixture of experts
 """
 
@@ -64,6 +65,9 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
                                        max_position_embeddings=32768, num_key_value_heads=32,
                                        head_dim=128)),
+    "mistral": ("MistralForCausalLM", dict(rope_theta=10000.0, rms_norm_eps=1e-6,
+                                           max_position_embeddings=131072,
+                                           num_key_value_heads=8, sliding_window=4096)),
     "mixtral": ("MixtralForCausalLM", dict(rope_theta=1e6, rms_norm_eps=1e-5,
                                            max_position_embeddings=131072, num_key_value_heads=8,
                                            num_local_experts=8, num_experts_per_tok=2,
@@ -83,13 +87,14 @@ def _first(value):
 
 
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
-  """ModelConfig from a Llama, Qwen2, Qwen3 or Mixtral config.json; what we cannot run
-  exactly is rejected."""
+  """ModelConfig from a Llama, Qwen2, Qwen3, Mistral or Mixtral config.json; what we cannot
+  run exactly is rejected."""
   arch, model_type = hf.get("architectures") or [], hf.get("model_type")
   if model_type not in _ARCHS or any(a != _ARCHS[model_type][0] for a in arch):
     raise ValueError(f"unsupported architecture {arch or model_type!r} (model_type={model_type!r})"
                      f" in {source}; only LlamaForCausalLM (model_type 'llama'), "
                      "Qwen2ForCausalLM ('qwen2'), Qwen3ForCausalLM ('qwen3'), "
+                     "MistralForCausalLM ('mistral'), "
                      "MixtralForCausalLM ('mixtral'), BERT "
                      "encoders ('bert', models/hf_bert.py) "
                      "and T5ForConditionalGeneration ('t5', models/hf_t5.py) are supported")
@@ -105,7 +110,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
     raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported; only 'silu'")
   # Qwen2 and Qwen3 write a window they do not use unless use_sliding_window is set.
   unused_window = model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False)
-  if hf.get("sliding_window") is not None and not unused_window:
+  window = get("sliding_window") if model_type == "mistral" else None
+  if model_type != "mistral" and hf.get("sliding_window") is not None and not unused_window:
     raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (the "
                      "decoder has no sliding-window attention); only null")
   # transformers 4 writes rope_theta/rope_scaling; 5 writes rope_parameters.
@@ -129,6 +135,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
     values["qkv_bias"] = True
   if model_type == "qwen3":
     values["qk_norm"] = True
+  if window:
+    values["sliding_window"] = int(window)
   if model_type == "mixtral":
     # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
     # gives the same gradient. router_jitter_noise only perturbs HF training: ignored.
@@ -141,7 +149,7 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
 
 def config_to_hf(cfg: ModelConfig) -> dict:
   """config.json for LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM
-  (per-head q/k norms), or MixtralForCausalLM
+  (per-head q/k norms), MistralForCausalLM (a sliding window), or MixtralForCausalLM
   for an MoE config.
 
   Readable by transformers 4 (rope_theta) and 5. An MoE config must keep to what
@@ -154,12 +162,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         f"{cfg.norm!r}/{cfg.norm_position!r}, mlp_activation={cfg.mlp_activation!r}, position="
         f"{cfg.position!r}, use_bias={cfg.use_bias}, attention_scale={cfg.attention_scale}) would "
         "load as a different model")
-  if cfg.sliding_window:
+  if cfg.sliding_window and (cfg.is_moe or cfg.qkv_bias or cfg.qk_norm):
     # Written as is, transformers would run full attention: refuse instead of changing the model.
-    raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported: "
-                     "LlamaForCausalLM/MixtralForCausalLM exports run full attention")
+    raise ValueError(f"model.sliding_window={cfg.sliding_window!r} cannot be exported with "
+                     "experts, q/k/v biases or q/k norms: only as MistralForCausalLM")
   arch = ("mixtral" if cfg.is_moe else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias
-          else "llama")
+          else "mistral" if cfg.sliding_window else "llama")
   if cfg.is_moe and (cfg.qkv_bias or cfg.qk_norm) or cfg.qkv_bias and cfg.qk_norm:
     raise ValueError(f"no Hugging Face family here has qkv_bias={cfg.qkv_bias}, "
                      f"qk_norm={cfg.qk_norm} and num_experts={cfg.num_experts}: cannot export")
@@ -174,6 +182,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
       "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
   }
+  if arch == "mistral":
+    return {**hf, "sliding_window": cfg.sliding_window}
   if arch in ("qwen2", "qwen3"):
     return {**hf, "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": cfg.num_layers,

@@ -30,6 +30,10 @@ FAMILIES = {
     # Qwen3-0.6B's in small: per-head q/k RMSNorm, head_dim 32 (not hidden / heads = 16).
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, rope_theta=1e6, head_dim=32,
                                               tie_word_embeddings=True, use_sliding_window=False),
+    # Mistral-7B-v0.1's in small: every layer attends to the last 8 positions only, so the
+    # 48-token prompts and 24 + 32-token generations run far past the window.
+    "mistral": lambda: transformers.MistralConfig(**COMMON, rope_theta=1e4, sliding_window=8,
+                                                  tie_word_embeddings=False),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,

@@ -206,7 +206,8 @@ def test_directory_without_config_or_weights(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral"), "MistralForCausalLM"),
+    (dict(architectures=["PhiForCausalLM"], model_type="phi"), "PhiForCausalLM"),
+    (dict(sliding_window=4096), "sliding_window=4096 is not supported"),
     (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
      "only LlamaForCausalLM .*BERT encoders .*T5ForConditionalGeneration"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 8.0}), "rope scaling type 'dynamic'"),
