@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
 from infer import Engine, SamplingParams  # noqa: E402
+from infer.serving import PagedEngine  # noqa: E402
 from test_hf_parity import _write_tokenizer  # noqa: E402
 
 TOL = 1e-4
@@ -66,14 +67,16 @@ def logits(model, tokens_BT):
     return np.asarray(model(jnp.asarray(tokens_BT)))
 
 
-def greedy_tokens_match(hf, ours, tokenizer, prompt_len: int, new: int = 32) -> None:
-  """`new` greedy tokens after a random prompt: transformers' generate against our Engine
-  (a prefill, then decode steps through its KV cache)."""
+def greedy_tokens_match(hf, ours, tokenizer, prompt_len: int, new: int = 32,
+                        engine_class=Engine) -> None:
+  """`new` greedy tokens after a random prompt: transformers' generate against our engine
+  (a prefill, then decode steps through its KV cache; PagedEngine: paged blocks of 4)."""
   prompt = np.random.default_rng(1).integers(3, VOCAB, size=(prompt_len,)).tolist()
   with torch.no_grad():
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                        eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
-  engine = Engine(ours, tokenizer, max_seq_len=prompt_len + new, max_batch=1)
+  kw = dict(block_size=4) if engine_class is PagedEngine else {}
+  engine = engine_class(ours, tokenizer, prompt_len + new, 1, **kw)
   with jax.default_matmul_precision("highest"):
     (got,) = engine.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))
   assert got.token_ids == want
@@ -97,6 +100,11 @@ def test_logits_match_transformers(family):
 def test_greedy_generation_matches_through_the_kv_cache(family):
   _, hf, ours, tokenizer = family
   greedy_tokens_match(hf, ours, tokenizer, prompt_len=24)
+
+
+def test_paged_serving_generates_the_same_tokens(family):
+  _, hf, ours, tokenizer = family
+  greedy_tokens_match(hf, ours, tokenizer, prompt_len=24, engine_class=PagedEngine)
 
 
 def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
