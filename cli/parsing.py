@@ -102,6 +102,8 @@ def parse(command: str, argv: list[str], fv: flags.FlagValues, doc: str,
   except (flags.Error, AttributeError, KeyError, ValueError) as e:
     raise UsageError(f"meshlm {command}: {parse_error(e, config_path(argv))}") from None
   except Exception as e:  # the config file itself: a syntax error, an import, get_config
+    if config_path(argv) is None:
+      raise
     raise UsageError(f"meshlm {command}: config file {config_path(argv)}: "
                      f"{type(e).__name__}: {first_line(e)}") from None
   if "config" in fv and fv["config"].present:
@@ -113,6 +115,7 @@ def parse(command: str, argv: list[str], fv: flags.FlagValues, doc: str,
 
 
 def first_line(e: BaseException) -> str:
+  """The first line of an exception's message ("" for none)."""
   text = str(e).strip()
   return text.splitlines()[0] if text else ""
 
