@@ -120,6 +120,8 @@ TOUR = [
      "v9:1x1"),
     ("review: database missing", ["review", "--db", "{root}/reveiw.sqlite", "--report"], 2,
      "--db {root}/reveiw.sqlite does not exist"),
+    ("review: port out of range", ["review", "--db", "{root}/reveiw.sqlite", "--port", "70000"],
+     2, "--port=70000 is not a port"),
     ("data: root missing", ["data", "ls", "{root}/no_assets"], 2,
      "{root}/no_assets does not exist"),
     ("data: unknown action", ["data", "lst", "{root}"], 2, "unknown action 'lst'"),
