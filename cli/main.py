@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 
-from cli.parsing import HELP_ARGS, UsageError, print_error
+from cli.parsing import HELP_ARGS, UsageError, first_line, print_error
 
 # name -> (module, one-line description), in the order `meshlm --help` lists them. The
 # modules are imported when their command runs: all of them at once load JAX, the training
@@ -67,8 +67,7 @@ def usage() -> str:
 
 def one_line(e: BaseException) -> str:
   """An exception's message as one line: its first line, with the type where it says more."""
-  text = str(e).strip()
-  first = text.splitlines()[0] if text else ""
+  first = first_line(e)
   if isinstance(e, KeyError) and first[:1] in "'\"":  # KeyError('x') prints as "'x'"
     first = first[1:-1].replace("\\'", "'").replace("\\n", " ")
   if not first or isinstance(e, (SyntaxError, ImportError, TypeError, AttributeError,

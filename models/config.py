@@ -238,13 +238,10 @@ class ModelConfig:
 
   @property
   def rope(self) -> RopeScaling:
-    """The rope_* fields as models/rope.py takes them."""
-    return RopeScaling(kind=self.rope_scaling, factor=self.rope_factor,
-                       original_max_len=self.rope_original_max_len,
-                       low_freq_factor=self.rope_low_freq_factor,
-                       high_freq_factor=self.rope_high_freq_factor,
-                       beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
-                       attention_factor=self.rope_attention_factor)
+    """The rope_* fields as models/rope.py takes them (rope_X is its X; rope_scaling its kind)."""
+    return RopeScaling(kind=self.rope_scaling, **{
+        f.name: getattr(self, "rope_" + f.name) for f in dataclasses.fields(RopeScaling)
+        if hasattr(self, "rope_" + f.name)})
 
   @property
   def is_moe(self) -> bool:

@@ -176,21 +176,25 @@ def _quiet_loops():
     asyncio.set_event_loop_policy(previous)
 
 
-def committed_steps(directory: str) -> list[int]:
-  """The steps under `directory` whose saves completed (every commit marker present), newest
-  first; each uncommitted one is named and skipped."""
+def _scan(directory: str) -> tuple[list[int], list[tuple[int, list[str]]]]:
+  """(committed steps, [(uncommitted step, its missing markers)]), newest first."""
   if not os.path.isdir(directory):
-    return []
-  steps = []
+    return [], []
+  committed, uncommitted = [], []
   for step in sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True):
     missing = [m for m in COMMIT_MARKERS if not os.path.isfile(os.path.join(directory, str(step),
                                                                             m))]
     if missing:
-      say(f"checkpoint step {step} was never committed (no {' or '.join(missing)}: an "
-          "interrupted save); skipped")
+      uncommitted.append((step, missing))
     else:
-      steps.append(step)
-  return steps
+      committed.append(step)
+  return committed, uncommitted
+
+
+def committed_steps(directory: str) -> list[int]:
+  """The steps under `directory` whose saves completed (every commit marker present), newest
+  first."""
+  return _scan(directory)[0]
 
 
 def failure_reason(e: BaseException) -> str:
@@ -202,10 +206,14 @@ def failure_reason(e: BaseException) -> str:
 def restore_newest(directory: str, restore: Callable[[int], object],
                    step: int | None = None) -> tuple[object, int, list[tuple[int, str]]]:
   """(restore(s), s, failures) for the newest committed step s that restores (or `step`,
-  which must be committed); failures: the newer steps that did not, with their reasons, each
-  said as "checkpoint step 600 unreadable (reason); using step 400". FileNotFoundError
+  which must be committed); each uncommitted step is named and skipped; failures: the newer
+  steps that did not restore, with their reasons, each said as "checkpoint step 600
+  unreadable (reason); using step 400". FileNotFoundError
   where no step is committed, ValueError where none restores."""
-  steps = committed_steps(directory)
+  steps, uncommitted = _scan(directory)
+  for bad, missing in uncommitted:
+    say(f"checkpoint step {bad} was never committed (no {' or '.join(missing)}: an "
+        "interrupted save); skipped")
   if step is not None:
     if step not in steps:
       raise FileNotFoundError(f"no committed checkpoint of step {step} in {directory} "
