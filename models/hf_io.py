@@ -1,5 +1,5 @@
 """Hugging Face decoder checkpoints: tensor layout and safetensors I/O (each family's
-config.json mapping and tensor names: models/hf_families.py).
+config.json mapping and tensor names: models/families/).
 
 Our parameters are stored input-axes-first ([D, N, H], [D, F]) and stacked over a
 leading layers axis (and, for MoE experts, a second experts axis); Hugging Face stores
@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from models.config import ModelConfig
 # Re-exported: models.pretrained, models.gguf_quant and models.hf_bert reach them through hf_io.
-from models.hf_families import (FLAT, config_from_hf, config_to_hf, lookup_name,  # noqa: F401
+from models.families import (FLAT, config_from_hf, config_to_hf, lookup_name,  # noqa: F401
                                  name_table)
 
 CONFIG_FILE = "config.json"

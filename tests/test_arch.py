@@ -242,7 +242,7 @@ def test_tools_that_assume_a_llama_refuse_other_architectures():
   from infer.sampling import generate
   from models import export_hf
   hybrid = create_model(ModelConfig(**HYBRID), nnx.Rngs(0))
-  with pytest.raises(ValueError, match="export_hf writes Llama/Mixtral checkpoints; .*prefix_lm"):
+  with pytest.raises(ValueError, match="export_hf writes Hugging Face decoder checkpoints; .*prefix_lm"):
     export_hf(hybrid, None, "/nonexistent/out")
   with pytest.raises(ValueError, match="GPTQ calibrates Llama-style decoders.*method='rtn'"):
     gptq_quantize(create_model(ModelConfig(**BERT), nnx.Rngs(0)), default_rules("int8"),

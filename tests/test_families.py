@@ -1,4 +1,4 @@
-"""Decoder families beyond Llama and Mixtral (models/hf_families.py, issue 57): random tiny
+"""Decoder families beyond Llama and Mixtral (models/families/, issue 57): random tiny
 models built with transformers' own config classes load with its float32 logits, generate
 its greedy tokens through the KV cache, train, and export back to a directory transformers
 loads with equal logits."""

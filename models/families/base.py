@@ -1,0 +1,166 @@
+"""What every decoder family shares: the `Family` record the registry holds, the Llama-shaped
+config.json keys and tensor names most families start from, and the checks they share.
+
+A family file (models/families/*.py) builds one `Family` from these parts and registers it;
+models/families/__init__.py dispatches on model_type (import) and on `Family.claims`
+(export), so a new family changes no other family's mapping.
+"""
+
+import dataclasses
+from typing import Callable
+
+from models import rope as rope_lib
+from models.config import ModelConfig
+
+FLAT = -1  # layout code: a 1-D checkpoint tensor reshaped to our (multi-axis) shape
+
+# Our param path -> (Hugging Face name, number of leading "input" axes in our layout).
+# 0 means the tensor is copied as is; n > 0 means HF [out, in] <-> ours [in..., out...].
+# In per-layer names "{0}" is the layer index and "{1}" the expert index: each "{}" is
+# one leading stacked axis of our param ([L, ...] or [L, E, ...]) that HF stores as
+# separate tensors.
+GLOBAL = {
+    ("embed_VD",): ("model.embed_tokens.weight", 0),
+    ("final_norm", "scale"): ("model.norm.weight", 0),
+    ("unembed_DV",): ("lm_head.weight", 1),
+}
+ATTENTION = {
+    ("attn", "wq_DNH"): ("self_attn.q_proj.weight", 1),
+    ("attn", "wk_DKH"): ("self_attn.k_proj.weight", 1),
+    ("attn", "wv_DKH"): ("self_attn.v_proj.weight", 1),
+    ("attn", "wo_NHD"): ("self_attn.o_proj.weight", 2),
+}
+NORMS = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", 0),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", 0),
+}
+DENSE_MLP = {
+    ("mlp", "gate_DF"): ("mlp.gate_proj.weight", 1),
+    ("mlp", "up_DF"): ("mlp.up_proj.weight", 1),
+    ("mlp", "down_FD"): ("mlp.down_proj.weight", 1),
+}
+# Biases on the query, key and value projections (model.qkv_bias: Qwen2, Qwen2-MoE).
+QKV_BIAS = {
+    ("attn", "bq_NH"): ("self_attn.q_proj.bias", FLAT),
+    ("attn", "bk_KH"): ("self_attn.k_proj.bias", FLAT),
+    ("attn", "bv_KH"): ("self_attn.v_proj.bias", FLAT),
+}
+# An RMSNorm over each head's query and key (model.qk_norm: Qwen3, Qwen3-MoE, Gemma 3).
+QK_NORM = {
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
+}
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One Hugging Face decoder family: its config.json mapping and tensor names.
+
+  values(hf, get, source) -> ModelConfig values beyond `common_values` (get(key) reads
+      config.json, falling back on `defaults`); raises ValueError for what it cannot run.
+  claims(cfg) -> whether a ModelConfig exports as this family (exactly one family may).
+  to_hf(cfg, hf) -> config.json: `common_hf`'s keys `hf` plus the family's own.
+  layer_names(cfg) -> {our per-layer param path: (HF name after "model.layers.{0}.", n_in)}.
+  """
+  model_type: str
+  architecture: str
+  defaults: dict
+  values: Callable[[dict, Callable, str], dict]
+  claims: Callable[[ModelConfig], bool]
+  to_hf: Callable[[ModelConfig, dict], dict]
+  layer_names: Callable[[ModelConfig], dict]
+  global_names: dict = dataclasses.field(default_factory=lambda: dict(GLOBAL))
+  describe: str = ""
+
+
+REGISTRY: dict[str, Family] = {}  # model_type -> Family, in registration order
+
+
+def register(family: Family) -> Family:
+  if family.model_type in REGISTRY:
+    raise ValueError(f"decoder family {family.model_type!r} is registered twice")
+  REGISTRY[family.model_type] = family
+  return family
+
+
+def first(value):
+  return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def refuse_keys(hf: dict, source: str, keys=("attention_bias", "mlp_bias")) -> None:
+  """Rejects config.json flags this decoder does not model (true-valued `keys`)."""
+  for key in keys:
+    if hf.get(key):
+      raise ValueError(f"{source}: {key}=true is not supported (the decoder has no such biases)")
+
+
+def check_activation(hf: dict, source: str, allowed=("silu",), key: str = "hidden_act") -> str:
+  act = hf.get(key, allowed[0])
+  if act not in allowed:
+    raise ValueError(f"{source}: {key}={act!r} is not supported; only {list(allowed)}")
+  return act
+
+
+def unused_window(hf: dict, source: str) -> None:
+  """Qwen2/Qwen3 write a sliding_window they do not use unless use_sliding_window is set."""
+  if hf.get("use_sliding_window", False):
+    raise ValueError(f"{source}: use_sliding_window=true (Qwen's per-layer windows, "
+                     f"max_window_layers={hf.get('max_window_layers')!r}) is not supported")
+
+
+def no_window(hf: dict, source: str) -> None:
+  if hf.get("sliding_window") is not None:
+    raise ValueError(f"{source}: sliding_window={hf['sliding_window']!r} is not supported (the "
+                     "family has no sliding-window attention); only null")
+
+
+def common_values(hf: dict, get: Callable, source: str) -> dict:
+  """ModelConfig values of the keys every Llama-shaped config.json has."""
+  # transformers 4 writes rope_theta/rope_scaling; 5 writes rope_parameters.
+  rope = hf.get("rope_parameters") or {}
+  scaling = rope_lib.from_hf(rope_lib.merge_hf(rope, hf.get("rope_scaling") or {}, source),
+                             source, get("max_position_embeddings"))
+  heads = hf["num_attention_heads"]
+  dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+  dtype = dtype if dtype in _DTYPES else "float32"
+  return dict(
+      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=get("num_key_value_heads") or heads,
+      head_dim=get("head_dim") or hf["hidden_size"] // heads,
+      mlp_dim=hf["intermediate_size"],
+      rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
+      norm_eps=float(get("rms_norm_eps")),
+      tie_embeddings=bool(get("tie_word_embeddings") or False),
+      max_seq_len=get("max_position_embeddings"),
+      param_dtype=dtype, dtype=dtype,
+      bos_id=first(hf.get("bos_token_id")), eos_id=first(hf.get("eos_token_id")), **scaling)
+
+
+def common_hf(cfg: ModelConfig, family: Family) -> dict:
+  """The config.json keys every Llama-shaped family writes (transformers 4 and 5 read them)."""
+  return {
+      "architectures": [family.architecture], "model_type": family.model_type,
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_parameters": rope_lib.to_hf(cfg.rope, cfg.rope_theta),
+      "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+      "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
+  }
+
+
+def dense_llama(cfg: ModelConfig) -> bool:
+  """Exactly Llama's block (what the dense Llama-shaped families add to)."""
+  return cfg.plain_llama and not cfg.is_moe
+
+
+def fixed(cfg: ModelConfig, family: str, rules: dict) -> None:
+  """Refuses an export that would drop a ModelConfig field: rules {field: (the only value the
+  family expresses, why)}."""
+  for field, (allowed, why) in rules.items():
+    if getattr(cfg, field) != allowed:
+      raise ValueError(f"cannot export as {family}: model.{field}={getattr(cfg, field)!r} "
+                       f"({why}; only {allowed!r} can be exported)")
