@@ -115,6 +115,13 @@ def no_window(hf: dict, source: str) -> None:
                      "family has no sliding-window attention); only null")
 
 
+def llama_checks(hf: dict, source: str, window: Callable = no_window) -> None:
+  """The checks of a Llama-shaped family: no biases, SiLU, and its own `window` check."""
+  refuse_keys(hf, source)
+  check_activation(hf, source)
+  window(hf, source)
+
+
 def common_values(hf: dict, get: Callable, source: str) -> dict:
   """ModelConfig values of the keys every Llama-shaped config.json has."""
   # transformers 4 writes rope_theta/rope_scaling; 5 writes rope_parameters.

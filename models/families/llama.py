@@ -3,18 +3,11 @@
 
 from models.families import base
 
-def _values(hf, get, source):
-  base.refuse_keys(hf, source)
-  base.check_activation(hf, source)
-  base.no_window(hf, source)
-  return {}
-
-
 LLAMA = base.register(base.Family(
     model_type="llama", architecture="LlamaForCausalLM",
     defaults=dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
                   num_key_value_heads=None),
-    values=_values,
+    values=lambda hf, get, source: base.llama_checks(hf, source) or {},
     claims=lambda cfg: (base.dense_llama(cfg) and not cfg.qkv_bias and not cfg.qk_norm
                         and not cfg.sliding_window),
     to_hf=lambda cfg, hf: {**hf, "attention_bias": False, "mlp_bias": False},

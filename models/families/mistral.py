@@ -6,8 +6,7 @@ from models.families import base
 
 
 def _values(hf, get, source):
-  base.refuse_keys(hf, source)
-  base.check_activation(hf, source)
+  base.llama_checks(hf, source, window=lambda hf, source: None)  # any window
   window = get("sliding_window")
   return dict(sliding_window=int(window)) if window else {}
 

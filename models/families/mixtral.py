@@ -20,9 +20,7 @@ _FIXED = {
 
 
 def _values(hf, get, source):
-  base.refuse_keys(hf, source)
-  base.check_activation(hf, source)
-  base.no_window(hf, source)
+  base.llama_checks(hf, source)
   # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
   # gives the same gradient. router_jitter_noise only perturbs HF training: ignored.
   k = get("num_experts_per_tok")
