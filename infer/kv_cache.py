@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from models.attention import attention
 from models.config import ModelConfig
 from models.layer_weights import is_unrolled
+from models.layers import layer_window
 from parallel import constrain
 
 KV_AXES = ("layers", "act_batch", "act_seq", "act_kv_heads", None)
@@ -98,7 +99,9 @@ def constrain_cache(cache: KVCache) -> KVCache:
 def ring_slots(cfg: ModelConfig) -> int:
   """Slots of a sliding-window decoder's ring (0: no window): twice the window, so that a
   prefill chunk may be as long as the window plus one (module docstring)."""
-  return 2 * cfg.sliding_window if cfg.arch == "decoder" else 0
+  if cfg.arch != "decoder" or "G" in cfg.layer_pattern:  # a global layer sees every position
+    return 0
+  return 2 * cfg.sliding_window
 
 
 def slots_for(cfg: ModelConfig, max_len: int) -> int:
@@ -183,11 +186,13 @@ class _Slots:
   ring: int = 0  # a ring's S: slots wrap (write_rows)
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
-    """`bias_fn`: a relative position bias (T5), computed from the query and slot positions."""
+             bias_fn=None, window=None):
+    """`bias_fn`: a relative position bias (T5), computed from the query and slot positions;
+    `window`: the layer's sliding window (models.layers.layer_window; None: cfg's)."""
+    window = layer_window(cfg, None) if window is None else window
     if self.cache is None and len(layer_cache) == 4:  # (k, v, k_scale, v_scale): int8
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                               segment_ids_BT, cfg, bias_fn)
+                               segment_ids_BT, cfg, bias_fn, window)
     if self.cache is not None:  # layer_cache is the layer: read its slice of the cache
       w = self.width or self.cache.max_len
       layer_cache = (self.cache.k_LBSKH[layer_cache, :, :w],
@@ -199,12 +204,12 @@ class _Slots:
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B, self.ring),
                        names)
     out_BTNH = self.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg,
-                                   bias_fn)
+                                   bias_fn, window)
     # In place only the chunk leaves the scan; otherwise the layer's whole updated slice.
     return out_BTNH, ((k_BTKH, v_BTKH) if self.cache is not None else (k_BSKH, v_BSKH))
 
   def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-                   bias_fn=None):
+                   bias_fn, window):
     """Writes the chunk quantized; attends over this layer's slots dequantized (never stored)."""
     k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK = layer_cache
     kq_BTKH, k_scale_BTK = quantize(k_BTKH)
@@ -215,10 +220,11 @@ class _Slots:
     v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
     out_BTNH = self.slot_attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
                                    dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
-                                   segment_ids_BT, cfg, bias_fn)
+                                   segment_ids_BT, cfg, bias_fn, window)
     return out_BTNH, (k_BSKH, v_BSKH, k_scale_BSK, v_scale_BSK)
 
-  def slot_attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn):
+  def slot_attention(self, q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT, cfg, bias_fn,
+                     window):
     """Causal attention of the chunk over k_BSKH/v_BSKH, slots already holding the chunk:
     their segment ids, positions and prefix marks are these slots' own."""
     s = k_BSKH.shape[1]  # the slots read: all, or the first `width`
@@ -226,8 +232,8 @@ class _Slots:
     return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                      kv_segment_ids_BS=self.segment_ids_BS[:, :s], q_positions_BT=positions_BT,
                      kv_positions_BS=self.positions_BS[:, :s], causal=True,
-                     sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl,
-                     scale=cfg.scale, bias_fn=bias_fn, kv_prefix_BS=prefix_BS)
+                     sliding_window=window, impl=cfg.attention_impl, scale=cfg.scale,
+                     bias_fn=bias_fn, kv_prefix_BS=prefix_BS, softcap=cfg.attn_softcap)
 
 
 def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False, width=None):
@@ -328,7 +334,8 @@ class _LayerWrites:
     self.slots, self.k_LBSKH, self.v_LBSKH = slots, k_LBSKH, v_LBSKH
 
   def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
+             bias_fn=None, window=None):
+    window = layer_window(cfg, None) if window is None else window
     slots_BT = slot_of(positions_BT, self.slots.ring)
     self.k_LBSKH = write_layers(self.k_LBSKH, k_BTKH, slots_BT, layer)
     self.v_LBSKH = write_layers(self.v_LBSKH, v_BTKH, slots_BT, layer)
@@ -336,7 +343,7 @@ class _LayerWrites:
     k_BSKH = constrain(self.k_LBSKH[layer, :, :w], KV_AXES[1:])
     v_BSKH = constrain(self.v_LBSKH[layer, :, :w], KV_AXES[1:])
     out_BTNH = self.slots.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT,
-                                         cfg, bias_fn)
+                                         cfg, bias_fn, window)
     return out_BTNH, None
 
 

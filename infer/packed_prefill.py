@@ -9,6 +9,7 @@ import parallel
 from infer import kv_cache
 from infer.kv_cache import KVCache, constrain_cache
 from models.attention import attention
+from models.layers import layer_window
 
 # Packed prefill's blockwise tiles: key/value tiles of this many tokens, so that the kernel
 # skips the many tiles in which no query sees a key (those lying wholly across two prompts).
@@ -22,7 +23,8 @@ class _Packed:
   prompt (segment), handing the keys and values out of the layer scan."""
 
   def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
+             bias_fn=None, window=None):
+    window = layer_window(cfg, None) if window is None else window
     impl, tile = cfg.attention_impl, {}
     # "auto" on CPU: tiles (measured). On GPU/TPU "auto" keeps its own choice, unmeasured
     # here; a position bias runs on the naive kernel whatever is asked.
@@ -32,8 +34,8 @@ class _Packed:
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,
                          kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,
                          kv_positions_BS=positions_BT, causal=True,
-                         sliding_window=cfg.sliding_window or None, impl=impl,
-                         scale=cfg.scale, bias_fn=bias_fn, **tile)
+                         sliding_window=window, impl=impl, scale=cfg.scale, bias_fn=bias_fn,
+                         softcap=cfg.attn_softcap, **tile)
     return out_BTNH, (k_BTKH, v_BTKH)
 
 

@@ -36,6 +36,7 @@ from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_
 from models.attention import attention
 from models.config import ModelConfig
 from models.layer_weights import is_unrolled
+from models.layers import layer_window
 import parallel
 from parallel import constrain
 
@@ -119,21 +120,23 @@ class _Pages:
   ragged: RaggedPages | None = None  # attend over these pages (infer/ragged.py), not tables
 
   def attend(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
+             bias_fn=None, window=None):
+    """`window`: the layer's sliding window (models.layers.layer_window; None: cfg's)."""
+    window = layer_window(cfg, None) if window is None else window
     if bias_fn is not None:
       raise NotImplementedError("the paged cache has no relative position bias (T5); serve "
                                 "encoder-decoder models with infer.seq2seq")
     if self.ragged is not None:
       out_BTNH = ragged_attend(q_BTNH, k_BTKH, v_BTKH, self.pool.k_LKWZH, self.pool.v_LKWZH,
                                layer_cache, self.ragged, positions_BT[:, 0], positions_BT,
-                               segment_ids_BT, cfg)
+                               segment_ids_BT, cfg, window)
       return out_BTNH, (k_BTKH, v_BTKH)
     if self.pool is not None:
       return self._attend_in_place(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                                   segment_ids_BT, cfg)
+                                   segment_ids_BT, cfg, window)
     if len(layer_cache) == 4:  # (k, v, k_scale, v_scale): an int8 pool
       return self._attend_int8(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                               segment_ids_BT, cfg)
+                               segment_ids_BT, cfg, window)
     k_KWZH, v_KWZH = layer_cache
     k_KWZH = scatter_tokens(k_KWZH, k_BTKH, self.page_BT, self.slot_BT)
     v_KWZH = scatter_tokens(v_KWZH, v_BTKH, self.page_BT, self.slot_BT)
@@ -142,10 +145,11 @@ class _Pages:
                                 cfg.scale)
     else:
       out_BTNH = paged_attention(q_BTNH, k_KWZH, v_KWZH, self.table_BY, self.lengths_B,
-                                 positions_BT, segment_ids_BT, cfg)
+                                 positions_BT, segment_ids_BT, cfg, window)
     return out_BTNH, (k_KWZH, v_KWZH)
 
-  def _attend_in_place(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+  def _attend_in_place(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+                       window):
     pool = self.pool
     k_BSKH = gather_layer(pool.k_LKWZH, layer, self.table_BY)
     v_BSKH = gather_layer(pool.v_LKWZH, layer, self.table_BY)
@@ -156,10 +160,11 @@ class _Pages:
     k_BSKH = k_BSKH.at[rows_BT, at_BT].set(k_BTKH.astype(k_BSKH.dtype), mode="drop")
     v_BSKH = v_BSKH.at[rows_BT, at_BT].set(v_BTKH.astype(v_BSKH.dtype), mode="drop")
     out_BTNH = attend_gathered(q_BTNH, k_BSKH, v_BSKH, self.lengths_B, positions_BT,
-                               segment_ids_BT, cfg)
+                               segment_ids_BT, cfg, window)
     return out_BTNH, (k_BTKH, v_BTKH)
 
-  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg):
+  def _attend_int8(self, layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
+                   window):
     """Scatters the chunk quantized; dequantizes only the pages the rows' block tables name."""
     k_KWZH, v_KWZH, k_scale_KWZ, v_scale_KWZ = layer_cache
     scatter = lambda pages, new: scatter_tokens(pages, new, self.page_BT, self.slot_BT)
@@ -171,7 +176,7 @@ class _Pages:
                                                   gather_pages(scale_KWZ, self.table_BY),
                                                   q_BTNH.dtype)
     out_BTNH = attend_gathered(q_BTNH, gather(k_KWZH, k_scale_KWZ), gather(v_KWZH, v_scale_KWZ),
-                               self.lengths_B, positions_BT, segment_ids_BT, cfg)
+                               self.lengths_B, positions_BT, segment_ids_BT, cfg, window)
     return out_BTNH, (k_KWZH, v_KWZH, k_scale_KWZ, v_scale_KWZ)
 
 
@@ -186,7 +191,7 @@ class _LayerWrites:
     self.pages, self.k_LKWZH, self.v_LKWZH = pages, pages.pool.k_LKWZH, pages.pool.v_LKWZH
 
   def attend(self, layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-             bias_fn=None):
+             bias_fn=None, window=None):
     p = self.pages
     # the scalar layer and the [B, T] page and slot indices broadcast to [B, T], leading
     write = lambda pages_LKWZH, new_BTKH: pages_LKWZH.at[layer, :, p.page_BT, p.slot_BT].set(
@@ -196,27 +201,30 @@ class _LayerWrites:
     # tables' path writes the same values into its gathered rows again
     pages = dataclasses.replace(p, pool=PagePool(self.k_LKWZH, self.v_LKWZH))
     out_BTNH, _ = pages.attend(layer, q_BTNH, k_BTKH, v_BTKH, positions_BT, segment_ids_BT, cfg,
-                               bias_fn)
+                               bias_fn, window)
     return out_BTNH, None
 
 
 def paged_attention(q_BTNH, k_KWZH, v_KWZH, table_BY, lengths_B, positions_BT, segment_ids_BT,
-                    cfg: ModelConfig):
+                    cfg: ModelConfig, window=None):
   """The pure-JAX reference: gather through the block tables, then the shared attention()."""
   return attend_gathered(q_BTNH, gather_pages(k_KWZH, table_BY), gather_pages(v_KWZH, table_BY),
-                         lengths_B, positions_BT, segment_ids_BT, cfg)
+                         lengths_B, positions_BT, segment_ids_BT, cfg, window)
 
 
 def attend_gathered(q_BTNH, k_BSKH, v_BSKH, lengths_B, positions_BT, segment_ids_BT,
-                    cfg: ModelConfig):
-  """attention() over gathered rows: slot s holds position s, real below lengths_B[b]."""
+                    cfg: ModelConfig, window=None):
+  """attention() over gathered rows: slot s holds position s, real below lengths_B[b];
+  `window`: the layer's (None: cfg's)."""
+  window = layer_window(cfg, None) if window is None else window
   s = k_BSKH.shape[1]
   kv_positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q_BTNH.shape[0], s))
   kv_segment_ids_BS = (kv_positions_BS < lengths_B[:, None]).astype(jnp.int32)
   return attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                    kv_segment_ids_BS=kv_segment_ids_BS, q_positions_BT=positions_BT,
                    kv_positions_BS=kv_positions_BS, causal=True,
-                   sliding_window=cfg.sliding_window or None, impl=cfg.attention_impl, scale=cfg.scale)
+                   sliding_window=window, impl=cfg.attention_impl, scale=cfg.scale,
+                   softcap=cfg.attn_softcap)
 
 
 def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:
@@ -227,7 +235,8 @@ def _uses_kernel(t: int, cfg: ModelConfig) -> bool:
   # The kernel serves one query per row with a full causal prefix: no windows, TPU only.
   # Mosaic tiles its head dimension by the TPU's 128 lanes: a smaller head fails to lower
   # (seen compiling head_dim 32 for v5e), so it takes the gathered path.
-  return (t == 1 and not cfg.sliding_window and parallel.platform() == "tpu"
+  return (t == 1 and not cfg.sliding_window and not cfg.attn_softcap
+          and parallel.platform() == "tpu"
           and cfg.head_dim % 128 == 0 and cfg.attention_impl in ("auto", "pallas"))
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.attention import visible
+from models.layers import layer_window
 
 NULL_PAGE = 0
 GROUP = 4  # pages per entry: 64 token slots at the default block size
@@ -86,12 +87,14 @@ def pages_of_tokens(pages: RaggedPages, block_BT):
 
 
 def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, start_B,
-           positions_BT, segment_ids_BT, cfg):
+           positions_BT, segment_ids_BT, cfg, window=None):
   """Causal attention of a right-padded chunk over each row's cached pages and the chunk.
 
   Keys cached before the chunk (positions < start_B[b]) come from the pool, in place; the
   chunk's own keys come from k_BTKH, causally and real tokens only (segment id > 0).
+  `window`: the layer's sliding window (models.layers.layer_window; None: cfg's).
   """
+  window = layer_window(cfg, None) if window is None else window
   _, k, _, z, h = k_LKWZH.shape
   b, t, n, _ = q_BTNH.shape
   g = n // k
@@ -106,6 +109,9 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   # the chunk's own keys, at key positions S (the same positions as its queries T)
   new_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH.astype(dtype)).astype(
       jnp.float32) * cfg.scale
+  if cfg.attn_softcap:  # Gemma 2, as attention() caps its scores
+    cap = cfg.attn_softcap
+    old_KPGTS, new_BKGTS = (jnp.tanh(old_KPGTS / cap) * cap, jnp.tanh(new_BKGTS / cap) * cap)
 
   # attention()'s rule (models/attention.visible), an entry's S slots as keys of its row's
   # queries: a cached key is real (segment 1) iff its entry is not padding and it precedes
@@ -113,9 +119,9 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   # null pages lie past its row's end, so past start_B too.
   pos_PS = pages.block_P[:, None] * z + jnp.arange(y * z, dtype=jnp.int32)
   old_seg_PS = ((pages.block_P >= 0)[:, None] & (pos_PS < start_B[pages.row_P][:, None]))
-  old_PTS = visible(positions_BT[pages.row_P], pos_PS, causal=True, window=cfg.sliding_window,
+  old_PTS = visible(positions_BT[pages.row_P], pos_PS, causal=True, window=window,
                     kv_seg_BS=old_seg_PS.astype(jnp.int32))
-  new_BTS = visible(positions_BT, positions_BT, causal=True, window=cfg.sliding_window,
+  new_BTS = visible(positions_BT, positions_BT, causal=True, window=window,
                     kv_seg_BS=segment_ids_BT)
   old_KPGTS = jnp.where(old_PTS[None, :, None], old_KPGTS, -jnp.inf)
   new_BKGTS = jnp.where(new_BTS[:, None, None], new_BKGTS, -jnp.inf)

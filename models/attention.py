@@ -7,7 +7,8 @@ decode (T = 1 query against S cached keys). Key j is visible to query i iff
     q_segment_ids[i] == kv_segment_ids[j] when query segment ids are given;
   * causal: kv_pos[j] <= q_pos[i], or key j is in the row's bidirectional
     prefix (kv_prefix[j], prefix-LM: the prompt sees itself both ways);
-  * sliding_window W (needs causal): q_pos[i] - W < kv_pos[j].
+  * sliding_window W (needs causal): q_pos[i] - W < kv_pos[j]. W may be a traced scalar
+    (a layer's own window inside a layer scan: Gemma's local/global layers).
 
 `visible(...)` is this rule's one definition (infer/ragged.py masks with it too).
 
@@ -15,7 +16,8 @@ Positions default to indices (query i at i, key j at j); pass them when the
 queries are not the first T keys, as in decode. A query with no visible key
 gets a zero output (and zero gradients), never NaN. `bias_fn(q_pos_BT,
 kv_pos_BS) -> bias [B|1, N, T, S]` adds a float32 bias to the scores (T5's
-relative positions); it runs on the naive kernel.
+relative positions); it runs on the naive kernel, as do a traced window and
+`softcap` c > 0 (Gemma 2: scores -> c·tanh(scores / c) before the mask).
 
 Implementations (`impl`):
 
@@ -60,7 +62,7 @@ _reported = set()
 def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_BS=None,
               q_positions_BT=None, kv_positions_BS=None, causal=True, sliding_window=None,
               impl="auto", block_q=512, block_kv=512, scale=None, kv_prefix_BS=None,
-              bias_fn=None):
+              bias_fn=None, softcap=0.0):
   """softmax(q·kᵀ·scale + mask)·v per head -> out_BTNH; query head n reads kv head n // (N/K).
 
   `scale` defaults to H^-0.5; `block_q`/`block_kv` size the blockwise (and Pallas) tiles.
@@ -81,18 +83,23 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_B
   if kv_prefix_BS is not None and not causal:
     raise ValueError("kv_prefix_BS (a prefix-LM mask) needs causal=True: without causality "
                      "every key is visible already")
-  window = int(sliding_window or 0)
-  if window < 0 or (window and not causal):
+  traced_window = isinstance(sliding_window, jax.Array)
+  window = 0 if traced_window else int(sliding_window or 0)
+  if window < 0 or ((window or traced_window) and not causal):
     raise ValueError(f"sliding_window={sliding_window!r} must be >= 0 and needs causal=True")
   scale = h ** -0.5 if scale is None else scale
   spec = _Spec(causal, window, q_segment_ids_BT is not None, scale, block_q, block_kv,
-               kv_prefix_BS is not None)
+               kv_prefix_BS is not None, float(softcap))
   args = (q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT, kv_segment_ids_BS, q_positions_BT,
           kv_positions_BS, kv_prefix_BS)
-  if bias_fn is not None:
+  naive_only = ("a position bias (bias_fn)" if bias_fn is not None else
+                "a per-layer (traced) window" if traced_window else
+                "score soft-capping" if softcap else None)
+  if naive_only:
     if impl not in ("auto", "naive"):
-      _report(impl, "a position bias (bias_fn) runs on the naive kernel only", True)
-    return _naive(*args, spec, bias_fn=bias_fn)
+      _report(impl, f"{naive_only} runs on the naive kernel only", True)
+    return _naive(*args, spec, bias_fn=bias_fn,
+                  window=sliding_window if traced_window else None)
 
   explicit = impl in ("cudnn", "pallas")
   if impl == "auto":
@@ -121,6 +128,7 @@ class _Spec:
   block_q: int
   block_kv: int
   prefix: bool = False  # kv_prefix given: prefix keys are visible to every query of the segment
+  softcap: float = 0.0  # > 0: scores -> softcap·tanh(scores / softcap) (naive kernel)
 
 
 def visible(q_pos_BT, kv_pos_BS, *, causal=True, window=0, q_seg_BT=None, kv_seg_BS=None,
@@ -144,7 +152,7 @@ def visible(q_pos_BT, kv_pos_BS, *, causal=True, window=0, q_seg_BT=None, kv_seg
     vis_BTS = vis_BTS & (q_seg_BT[:, :, None] == kv_seg_BS[:, None, :])
   if kv_seg_BS is not None and empty_keys:
     vis_BTS = vis_BTS & (kv_seg_BS != 0)[:, None, :]
-  if window:
+  if isinstance(window, jax.Array) or window:
     vis_BTS = vis_BTS & (kv_pos_BS[:, None, :] > q_pos_BT[:, :, None] - window)
   return vis_BTS
 
@@ -160,7 +168,8 @@ def _positions(q_BTNH, k_BSKH, q_pos, kv_pos):
 # ----------------------------------------------------------------------------- naive
 
 def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec: _Spec,
-           bias_fn=None):
+           bias_fn=None, window=None):
+  """`window`: a traced sliding window, in place of spec.window."""
   b, t, n, h = q_BTNH.shape
   k = k_BSKH.shape[2]
   # Self-attention over one segment-id array (training): a query in a segment sees at
@@ -173,10 +182,13 @@ def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec
   q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
   scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH).astype(jnp.float32)
   scores_BKGTS = scores_BKGTS * spec.scale
+  if spec.softcap:
+    scores_BKGTS = jnp.tanh(scores_BKGTS / spec.softcap) * spec.softcap
   if bias_fn is not None:
     bias_BNTS = bias_fn(q_pos, kv_pos).astype(jnp.float32)
     scores_BKGTS = scores_BKGTS + bias_BNTS.reshape(bias_BNTS.shape[0], k, n // k, t, -1)
-  mask_B11TS = visible(q_pos, kv_pos, causal=spec.causal, window=spec.window, q_seg_BT=q_seg,
+  mask_B11TS = visible(q_pos, kv_pos, causal=spec.causal,
+                       window=spec.window if window is None else window, q_seg_BT=q_seg,
                        kv_seg_BS=kv_seg, kv_prefix_BS=kv_prefix, empty_keys=not self_attention)
   mask_B11TS = mask_B11TS[:, None, None]
   scores_BKGTS = jnp.where(mask_B11TS, scores_BKGTS, jnp.finfo(jnp.float32).min)

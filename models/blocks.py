@@ -39,25 +39,36 @@ class Block(nnx.Module):
       self.cross_attn = Attention(cfg, rngs)
     self.mlp_norm = Norm(cfg)
     self.mlp = MoE(cfg, rngs) if cfg.is_moe else MLP(cfg, rngs)
+    if cfg.sandwich_norms:  # Gemma: each sublayer's output normalised before the residual
+      self.post_attn_norm = Norm(cfg)
+      self.post_mlp_norm = Norm(cfg)
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, prefix_BT=None, enc_BSD=None,
-               enc_segment_ids_BS=None, *, causal=True, bias_fn=None):
-    x_BTD = self._residual(x_BTD, self.attn_norm, lambda h: self.attn(
-        h, positions_BT, segment_ids_BT, causal=causal, prefix_BT=prefix_BT, bias_fn=bias_fn))
+               enc_segment_ids_BS=None, *, causal=True, bias_fn=None, layer=None):
+    """`layer`: this block's index in its stack (models/layers.py: layer_window)."""
+    attend = lambda h: self.attn(h, positions_BT, segment_ids_BT, causal=causal,  # noqa: E731
+                                 prefix_BT=prefix_BT, bias_fn=bias_fn, layer=layer)
+    x_BTD = self._residual(x_BTD, self.attn_norm,
+                           lambda h: self._sandwich("post_attn_norm", attend(h)))
     x_BTD = self._cross(x_BTD, segment_ids_BT, enc_BSD, enc_segment_ids_BS)
     return self._mlp_residual(x_BTD, segment_ids_BT)
 
   def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache, *, bias_fn=None,
-             enc_kv=None, enc_segment_ids_BS=None):
+             enc_kv=None, enc_segment_ids_BS=None, layer=None):
     """Cached block (inference): (x_BTD, layer_cache) with this chunk stored in the cache.
     enc_kv: this layer's cross-attention (k_BSKH, v_BSKH), computed once per request."""
     h_BTD = x_BTD if self.post_norm else self.attn_norm(x_BTD)
     a_BTD, layer_cache = self.attn.decode(h_BTD, positions_BT, segment_ids_BT, layer_cache, cache,
-                                          bias_fn=bias_fn)
+                                          bias_fn=bias_fn, layer=layer)
+    a_BTD = self._sandwich("post_attn_norm", a_BTD)
     x_BTD = self.attn_norm(x_BTD + a_BTD) if self.post_norm else x_BTD + a_BTD
     x_BTD = self._cross(x_BTD, segment_ids_BT, enc_kv, enc_segment_ids_BS)
     x_BTD, _ = self._mlp_residual(x_BTD, segment_ids_BT)
     return x_BTD, layer_cache
+
+  def _sandwich(self, name, y_BTD):
+    """y_BTD normalised by the sandwich norm `name` where the block has one."""
+    return getattr(self, name)(y_BTD) if hasattr(self, name) else y_BTD
 
   def _residual(self, x_BTD, norm, f):
     if self.post_norm:
@@ -82,7 +93,7 @@ class Block(nnx.Module):
       y_BTD, stats = f(x_BTD)
       return constrain(self.mlp_norm(x_BTD + y_BTD), _RESIDUAL), stats
     y_BTD, stats = f(self.mlp_norm(x_BTD))
-    return constrain(x_BTD + y_BTD, _RESIDUAL), stats
+    return constrain(x_BTD + self._sandwich("post_mlp_norm", y_BTD), _RESIDUAL), stats
 
 
 def make_stack(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int, **block_kwargs) -> Block:
@@ -109,12 +120,22 @@ def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_
   graphdef, state = nnx.split(blocks)
 
   def body(x_BTD, layer_state, *aux):
+    if cfg.layer_pattern:  # the layer's index rides with its state (see below)
+      layer_state, layer = layer_state
+      return nnx.merge(graphdef, layer_state)(x_BTD, *aux, layer=layer, **call_kwargs)
     return nnx.merge(graphdef, layer_state)(x_BTD, *aux, **call_kwargs)
 
   if cfg.remat != "none":
     body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
   aux = (positions_BT, segment_ids_BT, prefix_BT, enc_BSD, enc_segment_ids_BS)
+  if cfg.layer_pattern:
+    # Local/global layers need their index: scanned (and pipelined) with the layers' state.
+    state = (state, jnp.arange(_depth(state), dtype=jnp.int32))
   return run_layers(body, x_BTD, state, aux, scan=cfg.scan_layers)
+
+
+def _depth(state) -> int:
+  return jax.tree.leaves(state)[0].shape[0]
 
 
 def decode_stack(blocks: Block, x_BTD, positions_BT, segment_ids_BT, layers_cache, cache,
@@ -131,14 +152,22 @@ def decode_stack(blocks: Block, x_BTD, positions_BT, segment_ids_BT, layers_cach
     for i, block in enumerate(blocks):
       at = lambda tree, i=i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
       x_BTD, out = block.decode(x_BTD, positions_BT, segment_ids_BT, at(layers_cache), cache,
-                                **call_kwargs, **at(per_layer or {}))
+                                **call_kwargs, **at(per_layer or {}), **_index(block, i))
       outs.append(out)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
   graphdef, state = nnx.split(blocks)
+  per_layer = dict(per_layer or {})
+  if blocks.attn.cfg.layer_pattern:
+    per_layer["layer"] = jnp.arange(_depth(state), dtype=jnp.int32)
 
   def body(x_BTD, xs):
     layer_state, layer_cache, mine = xs
     return nnx.merge(graphdef, layer_state).decode(x_BTD, positions_BT, segment_ids_BT,
                                                    layer_cache, cache, **call_kwargs, **mine)
 
-  return jax.lax.scan(body, x_BTD, (state, layers_cache, per_layer or {}))
+  return jax.lax.scan(body, x_BTD, (state, layers_cache, per_layer))
+
+
+def _index(block: Block, i: int) -> dict:
+  """{"layer": i} for a block whose kind depends on its index (cfg.layer_pattern), else {}."""
+  return {"layer": i} if block.attn.cfg.layer_pattern else {}

@@ -61,6 +61,16 @@ class ModelConfig:
   eos_id: int | None = None
   attention_impl: str = "auto"   # models/attention.py kernel: auto|naive|blockwise|cudnn|pallas
   sliding_window: int = 0         # >0: a query sees only the last `sliding_window` positions
+  # Local/global layers (Gemma 2, 3): layer i is local (the window) or global (no window) by
+  # layer_pattern[i % len]: "LG" alternates, "LLLLLG" is five local to one global; "": all
+  # layers alike.
+  layer_pattern: str = ""
+  rope_local_theta: float = 0.0  # >0: local layers' RoPE base, unscaled (Gemma 3)
+  attn_softcap: float = 0.0      # >0: scores -> c·tanh(scores / c) before the mask (Gemma 2)
+  final_softcap: float = 0.0     # >0: logits -> c·tanh(logits / c) (Gemma 2)
+  embed_scale: bool = False      # embeddings times sqrt(d_model) (Gemma)
+  norm_offset: float = 0.0       # RMSNorm multiplies by offset + scale (Gemma: 1, scale from 0)
+  sandwich_norms: bool = False   # norms after attention and the MLP too, before the residual
   # Mixture of experts (num_experts=0: every block has a dense SwiGLU MLP).
   num_experts: int = 0           # E routed experts per block, each a SwiGLU of mlp_dim
   top_k: int = 2                 # experts each token is routed to
@@ -130,6 +140,36 @@ class ModelConfig:
     if self.num_experts:
       self._check_moe()
     self._check_arch()
+    self._check_layers()
+
+  def _check_layers(self):
+    p = self.layer_pattern
+    if not isinstance(p, str) or set(p) - set("LG"):
+      raise ConfigError(f"model.layer_pattern={p!r}: a string of L (local: the sliding window) "
+                        "and G (global), applied cyclically over the layers; '' for all alike")
+    if "L" in p and not self.sliding_window:
+      raise ConfigError(f"model.layer_pattern={p!r} has local layers but model.sliding_window=0")
+    if self.rope_local_theta and "L" not in p:
+      raise ConfigError(f"model.rope_local_theta={self.rope_local_theta} is for local layers; "
+                        f"model.layer_pattern={p!r} has none")
+    for name in ("attn_softcap", "final_softcap", "rope_local_theta", "norm_offset"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"model.{name}={getattr(self, name)!r} must be >= 0")
+    if self.final_softcap and self.xent == "chunked":
+      raise ConfigError("model.final_softcap with model.xent='chunked': the fused loss reads raw "
+                        "logits; use xent='logits'")
+
+  def local_layer(self, i: int) -> bool:
+    """Whether layer i attends within the sliding window (all layers, without a pattern)."""
+    p = self.layer_pattern
+    return bool(self.sliding_window) and (not p or p[i % len(p)] == "L")
+
+  @property
+  def gemma_features(self) -> bool:
+    """Any of the Gemma mechanisms (a Llama export would drop them)."""
+    return bool(self.layer_pattern or self.rope_local_theta or self.attn_softcap
+                or self.final_softcap or self.embed_scale or self.norm_offset
+                or self.sandwich_norms)
 
   def _check_arch(self):
     for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("norm_position", NORM_POSITIONS),
@@ -267,7 +307,8 @@ class ModelConfig:
   def plain_llama(self) -> bool:
     """Exactly a Llama/Mixtral: what Hugging Face export and GPTQ calibration assume."""
     return (self.llama_shaped and self.arch == "decoder" and self.position == "rope"
-            and self.mlp_activation == "swiglu" and not self.attention_scale)
+            and self.mlp_activation == "swiglu" and not self.attention_scale
+            and not self.gemma_features)
 
   def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
     if not self.llama_shaped:
@@ -281,7 +322,7 @@ class ModelConfig:
       attn += h * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * h
-    per_layer = attn + self.mlp_params(active) + 2 * d
+    per_layer = attn + self.mlp_params(active) + (4 if self.sandwich_norms else 2) * d
     n = self.num_layers * per_layer + d
     if include_embedding:
       n += self.vocab_size * d * (1 if self.tie_embeddings else 2)

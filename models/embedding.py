@@ -44,6 +44,8 @@ class Embeddings(nnx.Module):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     x_BTD = lookup(self.embed_VD, tokens_BT, dt)
+    if cfg.embed_scale:  # Gemma: the table is shared with the output, the input scaled up
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, dt)
     if cfg.position == "learned":
       x_BTD = x_BTD + lookup(self.pos_PD, positions_BT, dt)
     if cfg.type_vocab_size:
@@ -67,6 +69,8 @@ class Embeddings(nnx.Module):
     else:
       logits_BTV = project("BTD,DV->BTV", x_BTD, self.unembed_DV, cfg.jnp_dtype, cfg.matmul,
                            preferred_element_type=jnp.float32)
+    if cfg.final_softcap:  # Gemma 2
+      logits_BTV = jnp.tanh(logits_BTV / cfg.final_softcap) * cfg.final_softcap
     return constrain(logits_BTV, ("act_batch", "act_seq", "act_vocab"))
 
   def _out_table(self):

@@ -71,20 +71,23 @@ def lookup(w: nnx.Variable, ids, dtype) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-  """y = x / rms(x) * scale, computed in float32 (T5's "layer norm" is this too)."""
+  """y = x / rms(x) * (offset + scale), computed in float32 (T5's "layer norm" is this too;
+  Gemma's offset is 1, its scale starting at 0)."""
 
   def __init__(self, cfg: ModelConfig, dim: int | None = None, axis: str = "embed"):
     """Over the last axis: d_model by default; `dim` and its logical `axis` name otherwise
     (Qwen3's per-head query/key norm: head_dim)."""
     self.eps = cfg.norm_eps
     self.dtype = cfg.jnp_dtype
-    self.scale = nnx.Param(jnp.ones((dim or cfg.d_model,), cfg.jnp_param_dtype),
+    self.offset = cfg.norm_offset
+    self.scale = nnx.Param(jnp.full((dim or cfg.d_model,), 1.0 - self.offset, cfg.jnp_param_dtype),
                            out_sharding=(axis,), eager_sharding=False)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     x = x_BTD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+    scale = self.scale[...].astype(jnp.float32)
+    return (x * (self.offset + scale if self.offset else scale)).astype(self.dtype)
 
 
 class LayerNorm(RMSNorm):
@@ -107,9 +110,45 @@ def Norm(cfg: ModelConfig) -> RMSNorm:  # noqa: N802 (a module factory, used lik
   return LayerNorm(cfg) if cfg.norm == "layer" else RMSNorm(cfg)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Rotary embedding of `cfg` (its base and context-extension scheme: models/rope.py)."""
-  return rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, local=False) -> jax.Array:
+  """Rotary embedding of `cfg` (its base and context-extension scheme: models/rope.py); a local
+  layer's (`local`: a bool, or traced in a layer scan) own base where cfg.rope_local_theta."""
+  if not cfg.rope_local_theta or local is False:
+    return rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
+  local_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_local_theta)
+  if local is True:
+    return local_BTNH
+  global_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
+  return jnp.where(local, local_BTNH, global_BTNH)
+
+
+# A global layer's window where windows are traced: wider than any context.
+NO_WINDOW = 1 << 30
+
+
+def layer_window(cfg: ModelConfig, layer):
+  """Layer `layer`'s sliding window: cfg's (0: none) for every layer without a pattern; with
+  one, by the layer's kind, static for a Python int and traced (NO_WINDOW if global) for a
+  traced index (a layer scan)."""
+  if not cfg.layer_pattern:
+    return cfg.sliding_window
+  if layer is None:
+    raise ValueError(f"model.layer_pattern={cfg.layer_pattern!r}: attention needs its layer index")
+  if isinstance(layer, int):
+    return cfg.sliding_window if cfg.local_layer(layer) else 0
+  return jnp.where(is_local(cfg, layer), cfg.sliding_window, NO_WINDOW)
+
+
+def is_local(cfg: ModelConfig, layer):
+  """Whether layer `layer` is local: a bool, or traced for a traced index."""
+  if not cfg.layer_pattern:
+    return bool(cfg.sliding_window)
+  if isinstance(layer, int):
+    return cfg.local_layer(layer)
+  if layer is None:
+    raise ValueError(f"model.layer_pattern={cfg.layer_pattern!r}: attention needs its layer index")
+  kinds = jnp.asarray([cfg.local_layer(i) for i in range(len(cfg.layer_pattern))])
+  return kinds[layer % len(cfg.layer_pattern)]
 
 
 class Attention(nnx.Module):
@@ -142,62 +181,68 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(cfg, h, "head_dim")
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
-               bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None):
+               bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None, layer=None):
     """Self-attention over x_BTD, or cross-attention to kv_BSD (never causal, no rotary).
 
     Segment ids separate packed documents (0: padding); in cross-attention a
-    query sees the keys of its own segment in kv_segment_ids_BS.
+    query sees the keys of its own segment in kv_segment_ids_BS. `layer`: this layer's
+    index in its stack (an int, or traced in a scan), for cfg.layer_pattern's kinds.
     """
     cfg = self.cfg
     if kv_BSD is None:
-      q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT)
+      q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT, layer)
+      window = layer_window(cfg, layer)
       # Training/prefill: causality by index (packed rows restart positions per
       # segment, which the segment ids already separate).
       out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                            kv_segment_ids_BS=segment_ids_BT, causal=causal,
                            kv_prefix_BS=prefix_BT, bias_fn=bias_fn,
-                           sliding_window=(cfg.sliding_window or None) if causal else None,
-                           impl=cfg.attention_impl, scale=cfg.scale)
+                           sliding_window=window if causal else None,
+                           impl=cfg.attention_impl, scale=cfg.scale, softcap=cfg.attn_softcap)
     else:
       q_BTNH = self._q(x_BTD, None)
       k_BSKH, v_BSKH = kv_BSD if isinstance(kv_BSD, tuple) else self.cross_kv(kv_BSD)
       out_BTNH = attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT=segment_ids_BT,
                            kv_segment_ids_BS=kv_segment_ids_BS, causal=False, bias_fn=bias_fn,
-                           impl=cfg.attention_impl, scale=cfg.scale)
+                           impl=cfg.attention_impl, scale=cfg.scale, softcap=cfg.attn_softcap)
     return self._out(out_BTNH)
 
-  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache, bias_fn=None):
+  def decode(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, cache, bias_fn=None,
+             layer=None):
     """Cached causal self-attention (inference): (out_BTD, layer_cache).
 
     `cache` (infer/kv_cache.py, infer/paged.py) decides where keys live: its
     `attend` stores this chunk's keys and values in `layer_cache` and attends
-    over everything the row may see. Same projections as `__call__`.
+    over everything the row may see, within `window` (this layer's: `layer_window`).
+    Same projections as `__call__`.
     """
-    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, layer)
     extra = {} if bias_fn is None else {"bias_fn": bias_fn}
     out_BTNH, layer_cache = cache.attend(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
-                                         segment_ids_BT, self.cfg, **extra)
+                                         segment_ids_BT, self.cfg,
+                                         window=layer_window(self.cfg, layer), **extra)
     return self._out(out_BTNH), layer_cache
 
   def cross_kv(self, kv_BSD):
     """(k_BSKH, v_BSKH) of another sequence, for cross-attention (no rotary embeddings)."""
     return self._kv(kv_BSD, None)
 
-  def _qkv(self, x_BTD, positions_BT):
+  def _qkv(self, x_BTD, positions_BT, layer=None):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
-    return (self._q(x_BTD, positions_BT), *self._kv(x_BTD, positions_BT))
+    local = is_local(self.cfg, layer)
+    return (self._q(x_BTD, positions_BT, local), *self._kv(x_BTD, positions_BT, local))
 
-  def _q(self, x_BTD, positions_BT):
+  def _q(self, x_BTD, positions_BT, local=False):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
     if cfg.qk_norm:
       q_BTNH = self.q_norm(q_BTNH)
     if positions_BT is not None and cfg.position == "rope":
-      q_BTNH = rope(q_BTNH, positions_BT, cfg)
+      q_BTNH = rope(q_BTNH, positions_BT, cfg, local)
     return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
 
-  def _kv(self, x_BSD, positions_BS):
+  def _kv(self, x_BSD, positions_BS, local=False):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
@@ -205,7 +250,7 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       k_BSKH = self.k_norm(k_BSKH)
     if positions_BS is not None and cfg.position == "rope":
-      k_BSKH = rope(k_BSKH, positions_BS, cfg)
+      k_BSKH = rope(k_BSKH, positions_BS, cfg, local)
     return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),
             constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)))
 

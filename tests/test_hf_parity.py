@@ -13,7 +13,7 @@ transformers = deps.require("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import tokenizers  # noqa: E402
+from benchmarks.family_parity import write_tokenizer  # noqa: E402
 
 import models  # noqa: E402
 from models import hf_io  # noqa: E402
@@ -37,14 +37,7 @@ CASES = {
 
 def _write_tokenizer(directory, vocab_size):
   """A word-level tokenizer w3..wN with <s>/</s> specials and a chat template."""
-  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-  tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-  tok.save(os.path.join(directory, "tokenizer.json"))
-  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-               "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE}, f)
+  write_tokenizer(directory, vocab_size, TEMPLATE)
 
 
 def make_hf_checkpoint(directory, vocab=997, hidden=64, inter=96, layers=2, heads=4, kv=2,

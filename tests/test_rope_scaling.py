@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
 from models import rope  # noqa: E402
-from test_families import VOCAB, exported_back, greedy_tokens_match, logits  # noqa: E402
+from benchmarks.family_parity import VOCAB, exported_back, greedy_pair, logits  # noqa: E402
 from test_hf_parity import _write_tokenizer  # noqa: E402
 
 TOL = 1e-4
@@ -65,7 +65,8 @@ def test_logits_match_past_the_original_context(pair):
 
 def test_greedy_generation_matches_through_the_cache(pair):
   _, hf, ours, tokenizer = pair
-  greedy_tokens_match(hf, ours, tokenizer, prompt_len=40)  # to 72, past the original 16
+  want, got = greedy_pair(hf, ours, tokenizer, prompt_len=40)  # to 72, past the original 16
+  assert got == want
 
 
 def test_export_loads_in_transformers_with_equal_logits(pair, tmp_path):

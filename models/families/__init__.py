@@ -3,7 +3,9 @@ small file per family (its config.json mapping and tensor names). models/hf_io.p
 writes the tensors by these names; docs/models.md lists what each family is checked for."""
 
 from models.config import ModelConfig
-from models.families import llama, mistral, mixtral, qwen2, qwen3  # noqa: F401 (registers)
+# Each module registers its family; Llama first, so errors list the families from it.
+from models.families import llama  # noqa: F401, I001
+from models.families import gemma2, gemma3, mistral, mixtral, qwen2, qwen3  # noqa: F401
 from models.families.base import FLAT, REGISTRY, Family, common_hf, common_values
 
 __all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "lookup_name",
@@ -29,6 +31,9 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
                      f" in {source}; only {_supported()}, BERT encoders ('bert', "
                      "models/hf_bert.py) and T5ForConditionalGeneration ('t5', models/hf_t5.py) "
                      "are supported")
+
+  if family.normalize is not None:
+    hf = family.normalize(hf, source)
 
   def get(key):
     return hf.get(key, family.defaults.get(key))

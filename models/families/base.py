@@ -72,6 +72,9 @@ class Family:
   layer_names: Callable[[ModelConfig], dict]
   global_names: dict = dataclasses.field(default_factory=lambda: dict(GLOBAL))
   describe: str = ""
+  # config.json in the shape `common_values` reads (e.g. Gemma 3's per-layer-type rope); None:
+  # read as written.
+  normalize: Callable[[dict, str], dict] | None = None
 
 
 REGISTRY: dict[str, Family] = {}  # model_type -> Family, in registration order
