@@ -60,6 +60,17 @@ FAMILIES = {
                                        "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    # Qwen3-30B-A3B's in small: Qwen3's attention, 4 experts of 48, top-2 renormalised.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, rope_theta=1e6, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True),
+    # OLMoE-1B-7B's in small: a q/k norm across heads, top-2 of 4 experts, not renormalised.
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=False),
+    # Qwen1.5-MoE-A2.7B's in small: q/k/v biases, top-2 of 4 experts and a gated shared expert.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, norm_topk_prob=False),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,

@@ -78,6 +78,7 @@ class ModelConfig:
   capacity_factor: float = 1.25  # capacity path: C = ceil(ceil(tokens*k/E) * factor)
   router_norm: str = "topk"      # "topk": softmax over the chosen k (Mixtral); "all": over all E
   shared_mlp_dim: int = 0        # >0: a dense SwiGLU every token also goes through
+  shared_gate: bool = False      # the shared MLP's output times sigmoid(x·w) (Qwen2-MoE)
   aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss weight
   z_loss_weight: float = 0.0     # router z-loss weight (ST-MoE uses 1e-3)
   router_bias_rate: float = 0.0  # >0: auxiliary-loss-free balancing bias step (DeepSeek-V3)
@@ -96,6 +97,7 @@ class ModelConfig:
   use_bias: bool = False         # biases on the q/k/v/o and MLP projections (BERT)
   qkv_bias: bool = False         # biases on the q/k/v projections only (Qwen2)
   qk_norm: bool = False          # RMSNorm over each head's query and key before RoPE (Qwen3)
+  qk_norm_full: bool = False     # one RMSNorm over all heads' query (key) features (OLMoE)
   position: str = "rope"         # rope | learned (absolute table) | relative (T5 buckets) | none
   type_vocab_size: int = 0       # >0: token-type (segment A/B) embeddings, BERT
   relative_buckets: int = 32     # position="relative": buckets per direction pair
@@ -155,6 +157,11 @@ class ModelConfig:
     for name in ("attn_softcap", "final_softcap", "rope_local_theta", "norm_offset"):
       if getattr(self, name) < 0:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be >= 0")
+    if self.qk_norm and self.qk_norm_full:
+      raise ConfigError("model.qk_norm (per head) and model.qk_norm_full (across heads) "
+                        "exclude each other")
+    if self.shared_gate and not self.shared_mlp_dim:
+      raise ConfigError("model.shared_gate gates the shared expert: set model.shared_mlp_dim")
     if self.final_softcap and self.xent == "chunked":
       raise ConfigError("model.final_softcap with model.xent='chunked': the fused loss reads raw "
                         "logits; use xent='logits'")
@@ -294,7 +301,8 @@ class ModelConfig:
       return (3 if self.mlp_activation in ("swiglu", "geglu") else 2) * d * f
     experts = self.top_k if active else self.num_experts
     bias = 0 if active or not self.router_bias_rate else self.num_experts
-    return 3 * d * f * experts + 3 * d * self.shared_mlp_dim + d * self.num_experts + bias
+    gate = d if self.shared_gate else 0
+    return 3 * d * f * experts + 3 * d * self.shared_mlp_dim + d * self.num_experts + bias + gate
 
   @property
   def llama_shaped(self) -> bool:
@@ -322,6 +330,8 @@ class ModelConfig:
       attn += h * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
       attn += 2 * h
+    if self.qk_norm_full:
+      attn += (self.num_heads + self.num_kv_heads) * h
     per_layer = attn + self.mlp_params(active) + (4 if self.sandwich_norms else 2) * d
     n = self.num_layers * per_layer + d
     if include_embedding:

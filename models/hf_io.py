@@ -30,35 +30,38 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 
-# transformers 5's in-memory Mixtral layout (what save_pretrained(save_original_format=False)
-# writes): per layer mlp.gate.weight [E, D], mlp.experts.gate_up_proj [E, 2F, D] (w1 rows,
-# then w3 rows) and mlp.experts.down_proj [E, D, F].
+# transformers 5's in-memory MoE layout (what save_pretrained(save_original_format=False)
+# writes): per layer mlp.gate.weight [E, D], mlp.experts.gate_up_proj [E, 2F, D] (gate rows,
+# then up rows) and mlp.experts.down_proj [E, D, F].
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|"
                     r"experts\.down_proj)")
 
 
 def _unfuse_experts(cfg: ModelConfig, read: Callable, names: Iterable[str]):
-  """(read, names) serving a fused-layout Mixtral checkpoint under the legacy names.
+  """(read, names) serving a fused-layout MoE checkpoint under the family's per-expert names
+  (its name_table's: Mixtral's block_sparse_moe.experts.{j}.w1, Qwen's mlp.experts.{j}.gate_proj).
 
   Keeps the last fused tensor read, so each is read once per parameter that uses it.
   """
   e, f, d = cfg.num_experts, cfg.mlp_dim, cfg.d_model
-  virtual, rest = {}, []  # legacy name -> (fused name, index into it, its expected shape)
+  table = name_table(cfg)
+  named = lambda param, *index: table[("blocks", "mlp", param)][0].format(*index)  # noqa: E731
+  virtual, rest = {}, []  # per-expert name -> (fused name, index into it, its expected shape)
   for name in names:
     m = _FUSED.fullmatch(name)
-    if not m:
-      rest.append(name)
+    if not m or (m[2] == "gate.weight" and named("router_DE", int(m[1])) == name):
+      rest.append(name)  # not fused, or the router under the family's own name
       continue
-    prefix = f"model.layers.{m[1]}.block_sparse_moe."
+    i = int(m[1])
     if m[2] == "gate.weight":
-      virtual[prefix + "gate.weight"] = (name, (), None)  # fetch checks its shape
+      virtual[named("router_DE", i)] = (name, (), None)  # fetch checks its shape
       continue
     for j in range(e):
       if m[2] == "experts.down_proj":
-        virtual[f"{prefix}experts.{j}.w2.weight"] = (name, (j,), (e, d, f))
+        virtual[named("down_EFD", i, j)] = (name, (j,), (e, d, f))
       else:
-        virtual[f"{prefix}experts.{j}.w1.weight"] = (name, (j, slice(0, f)), (e, 2 * f, d))
-        virtual[f"{prefix}experts.{j}.w3.weight"] = (name, (j, slice(f, None)), (e, 2 * f, d))
+        virtual[named("gate_EDF", i, j)] = (name, (j, slice(0, f)), (e, 2 * f, d))
+        virtual[named("up_EDF", i, j)] = (name, (j, slice(f, None)), (e, 2 * f, d))
   cache = {}
 
   def read_legacy(name):

@@ -74,18 +74,24 @@ class RMSNorm(nnx.Module):
   """y = x / rms(x) * (offset + scale), computed in float32 (T5's "layer norm" is this too;
   Gemma's offset is 1, its scale starting at 0)."""
 
-  def __init__(self, cfg: ModelConfig, dim: int | None = None, axis: str = "embed"):
+  def __init__(self, cfg: ModelConfig, dim: int | None = None, axis: str = "embed",
+               lead: tuple[int, str] | None = None):
     """Over the last axis: d_model by default; `dim` and its logical `axis` name otherwise
-    (Qwen3's per-head query/key norm: head_dim)."""
+    (Qwen3's per-head query/key norm: head_dim). `lead` (size, logical name): over the last
+    two axes, one scale per element (OLMoE's norm across all heads: (heads, "heads"))."""
     self.eps = cfg.norm_eps
     self.dtype = cfg.jnp_dtype
     self.offset = cfg.norm_offset
-    self.scale = nnx.Param(jnp.full((dim or cfg.d_model,), 1.0 - self.offset, cfg.jnp_param_dtype),
-                           out_sharding=(axis,), eager_sharding=False)
+    shape, names = ((dim or cfg.d_model,), (axis,))
+    if lead is not None:
+      shape, names = (lead[0], *shape), (lead[1], *names)
+    self.scale = nnx.Param(jnp.full(shape, 1.0 - self.offset, cfg.jnp_param_dtype),
+                           out_sharding=names, eager_sharding=False)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     x = x_BTD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    over = tuple(range(-self.scale.ndim, 0))
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=over, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
     return (x * (self.offset + scale if self.offset else scale)).astype(self.dtype)
 
@@ -179,6 +185,9 @@ class Attention(nnx.Module):
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's query and key, before RoPE
       self.q_norm = RMSNorm(cfg, h, "head_dim")
       self.k_norm = RMSNorm(cfg, h, "head_dim")
+    if cfg.qk_norm_full:  # OLMoE: over all heads' features at once
+      self.q_norm = RMSNorm(cfg, h, "head_dim", lead=(n, "heads"))
+      self.k_norm = RMSNorm(cfg, h, "head_dim", lead=(k, "kv_heads"))
 
   def __call__(self, x_BTD, positions_BT, segment_ids_BT, *, causal=True, prefix_BT=None,
                bias_fn=None, kv_BSD=None, kv_segment_ids_BS=None, layer=None):
@@ -236,7 +245,7 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
-    if cfg.qk_norm:
+    if cfg.qk_norm or cfg.qk_norm_full:
       q_BTNH = self.q_norm(q_BTNH)
     if positions_BT is not None and cfg.position == "rope":
       q_BTNH = rope(q_BTNH, positions_BT, cfg, local)
@@ -247,7 +256,7 @@ class Attention(nnx.Module):
     dt = cfg.jnp_dtype
     k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
     v_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wv_DKH), self._b("bv_KH"), dt)
-    if cfg.qk_norm:
+    if cfg.qk_norm or cfg.qk_norm_full:
       k_BSKH = self.k_norm(k_BSKH)
     if positions_BS is not None and cfg.position == "rope":
       k_BSKH = rope(k_BSKH, positions_BS, cfg, local)

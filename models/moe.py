@@ -20,7 +20,7 @@ from flax import nnx
 import parallel
 from models import moe_dispatch
 from models.config import ModelConfig
-from models.layers import MLP, normal_param
+from models.layers import MLP, cast, normal_param
 
 
 def _top_k_indices(scores_BTE, k: int):
@@ -90,6 +90,8 @@ class MoE(nnx.Module):
     self.down_EFD = normal_param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg, cfg.init_std)
     if cfg.shared_mlp_dim:
       self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim, num_experts=0), rngs)
+    if cfg.shared_gate:  # Qwen2-MoE: the shared expert's output times sigmoid(x·w)
+      self.shared_gate_D1 = normal_param(rngs, (d, 1), ("embed", None), cfg, cfg.init_std)
 
   def _impl(self) -> str:
     impl = self.cfg.grouped_matmul
@@ -109,7 +111,11 @@ class MoE(nnx.Module):
                else segment_ids_BT > 0)
     out_BTD, dropped_BTO = self._experts(x_BTD.astype(dt), expert_BTO, weight_BTO, mask_BT, w)
     if cfg.shared_mlp_dim:
-      out_BTD = out_BTD + self.shared(x_BTD)
+      shared_BTD = self.shared(x_BTD)
+      if cfg.shared_gate:
+        gate_BT = jnp.einsum("BTD,D->BT", x_BTD.astype(dt), cast(self.shared_gate_D1, dt)[:, 0])
+        shared_BTD = jax.nn.sigmoid(gate_BT)[..., None] * shared_BTD
+      out_BTD = out_BTD + shared_BTD
     stats = router_stats(logits_BTE, probs_BTE, expert_BTO, dropped_BTO, mask_BT)
     return parallel.constrain(out_BTD, ("act_batch", "act_res_seq", "act_embed")), stats
 

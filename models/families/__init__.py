@@ -5,7 +5,8 @@ writes the tensors by these names; docs/models.md lists what each family is chec
 from models.config import ModelConfig
 # Each module registers its family; Llama first, so errors list the families from it.
 from models.families import llama  # noqa: F401, I001
-from models.families import gemma2, gemma3, mistral, mixtral, qwen2, qwen3  # noqa: F401
+from models.families import (gemma2, gemma3, mistral, mixtral, olmoe, qwen2,  # noqa: F401
+                             qwen2_moe, qwen3, qwen3_moe)
 from models.families.base import FLAT, REGISTRY, Family, common_hf, common_values
 
 __all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "lookup_name",
@@ -13,8 +14,8 @@ __all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "l
 
 
 # The fields that tell the families apart, named when none (or several) claims a model.
-_TELLING = ("num_experts", "qkv_bias", "qk_norm", "sliding_window", "mlp_activation",
-            "attention_scale", "shared_mlp_dim")
+_TELLING = ("num_experts", "qkv_bias", "qk_norm", "qk_norm_full", "sliding_window",
+            "mlp_activation", "attention_scale", "shared_mlp_dim", "shared_gate")
 
 
 def _supported() -> str:

@@ -50,6 +50,13 @@ QK_NORM = {
     ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", 0),
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", 0),
 }
+# Routed experts as Qwen-MoE and OLMoE name them (Mixtral: models/families/mixtral.py).
+EXPERTS = {
+    ("mlp", "router_DE"): ("mlp.gate.weight", 1),
+    ("mlp", "gate_EDF"): ("mlp.experts.{1}.gate_proj.weight", 1),
+    ("mlp", "up_EDF"): ("mlp.experts.{1}.up_proj.weight", 1),
+    ("mlp", "down_EFD"): ("mlp.experts.{1}.down_proj.weight", 1),
+}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -164,7 +171,7 @@ def common_hf(cfg: ModelConfig, family: Family) -> dict:
 
 def dense_llama(cfg: ModelConfig) -> bool:
   """Exactly Llama's block (what the dense Llama-shaped families add to)."""
-  return cfg.plain_llama and not cfg.is_moe
+  return cfg.plain_llama and not cfg.is_moe and not cfg.qk_norm_full and not cfg.shared_gate
 
 
 def fixed(cfg: ModelConfig, family: str, rules: dict) -> None:
@@ -174,3 +181,35 @@ def fixed(cfg: ModelConfig, family: str, rules: dict) -> None:
     if getattr(cfg, field) != allowed:
       raise ValueError(f"cannot export as {family}: model.{field}={getattr(cfg, field)!r} "
                        f"({why}; only {allowed!r} can be exported)")
+
+
+def moe_values(hf: dict, get: Callable, source: str, ffn_key: str) -> dict:
+  """The routed experts of a Qwen-MoE/OLMoE config.json: every layer sparse, the softmax over
+  all experts renormalised over the chosen k where norm_topk_prob."""
+  step, dense = get("decoder_sparse_step") or 1, get("mlp_only_layers") or []
+  if step != 1 or dense:
+    raise ValueError(f"{source}: decoder_sparse_step={step}, mlp_only_layers={dense}: dense "
+                     "layers among the sparse ones are not supported (every layer has experts)")
+  # HF's load-balancing loss is k at uniform load, ours 1, so its coefficient times k
+  # gives the same gradient.
+  k = get("num_experts_per_tok")
+  # transformers 5 writes Qwen3-MoE's count as num_local_experts, the Hub as num_experts.
+  experts = hf.get("num_experts", hf.get("num_local_experts")) or get("num_experts")
+  return dict(num_experts=experts, top_k=k, mlp_dim=get(ffn_key),
+              router_norm="topk" if get("norm_topk_prob") else "all", moe_impl="dropless",
+              aux_loss_weight=float(get("router_aux_loss_coef")) * k)
+
+
+def moe_hf(cfg: ModelConfig, hf: dict, family: str, ffn_key: str, rules: dict) -> dict:
+  """The routed experts' config.json keys (the inverse of moe_values); `rules` as `fixed`."""
+  fixed(cfg, family, {"router_bias_rate": (0.0, "the router has no expert-selection bias"),
+                      **rules})
+  return {**hf, "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.top_k,
+          ffn_key: cfg.mlp_dim, "norm_topk_prob": cfg.router_norm == "topk",
+          "router_aux_loss_coef": cfg.aux_loss_weight / cfg.top_k, "decoder_sparse_step": 1,
+          "mlp_only_layers": [], "output_router_logits": False}
+
+
+def routed(cfg: ModelConfig) -> bool:
+  """A Llama-shaped decoder with routed experts (what the MoE families add to)."""
+  return cfg.plain_llama and cfg.is_moe

@@ -42,8 +42,8 @@ MIXTRAL = base.register(base.Family(
                   num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                   router_aux_loss_coef=0.001),
     values=_values,
-    claims=lambda cfg: (cfg.plain_llama and cfg.is_moe and not cfg.qkv_bias and not cfg.qk_norm
-                        and not cfg.sliding_window),
+    claims=lambda cfg: (base.routed(cfg) and not cfg.qkv_bias and not cfg.qk_norm
+                        and not cfg.qk_norm_full and not cfg.sliding_window),
     to_hf=_to_hf,
     layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **_MOE_MLP},
     describe="top-k routed experts"))
