@@ -1,7 +1,7 @@
 """Each decoder family, loaded from a Hugging Face directory (benchmarks/family_parity.py's
 random tiny models), trains as a user runs it, `config.init_from` the directory, the loss
-falling over 20 steps: the dense families through supervised fine-tuning and DPO (align's
-tasks on the shared loop), the mixture-of-experts ones through language-model training
+falling over 20 steps: the dense families through supervised fine-tuning and DPO with LoRA
+adapters (align's tasks on the shared loop), the mixture-of-experts ones through language-model training
 (train.loop.train's own task; align's tasks refuse them by name, their router losses not yet
 applied there)."""
 
@@ -89,6 +89,8 @@ def test_the_loss_falls_over_20_steps(family_dir, data, tmp_path, task):
     with pytest.raises(ConfigError, match="do not train mixture-of-experts models yet"):
       train(c, workdir, task=DPOTask(c, workdir))
     return
+  if kind == "dpo":  # LoRA adapters (rank 4) on the frozen family: LoRA and DPO in one run
+    c.align.lora_rank = 4
   train(c, workdir, task=tasks[kind] and tasks[kind](c, workdir))
   seen = losses(workdir)
   assert len(seen) == STEPS and all(np.isfinite(seen))
