@@ -1,5 +1,6 @@
 """Tokenizer: a `tokenizers.Tokenizer` plus special ids and the model's chat template."""
 
+import datetime
 import functools
 import json
 import os
@@ -17,12 +18,27 @@ def _raise_exception(message):
   raise jinja2.exceptions.TemplateError(message)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # transformers' filter, not Jinja's (which escapes <, >, & and ' for HTML): tool schemas in
+  # Llama 3.x's and Qwen's templates must print as transformers prints them
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+  # Llama 3.1-3.3 print today's date where this exists (as in transformers), else a fixed one
+  return datetime.datetime.now().strftime(fmt)
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_template(source: str):
-  """A chat template compiled once (compiling dominated rendering thousands of examples)."""
+  """A chat template compiled once (compiling dominated rendering thousands of examples), in
+  the environment transformers' apply_chat_template renders it in."""
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                      extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
   return env.from_string(source)
 
 
@@ -78,7 +94,8 @@ class Tokenizer:
     template = _compiled_template(self.chat_template)
     special = lambda i: self.tok.id_to_token(i) if i is not None else ""
     return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+                           bos_token=special(self.bos_id), eos_token=special(self.eos_id),
+                           pad_token=special(self.pad_id))
 
   def save(self, directory: str) -> None:
     """Writes tokenizer.json and a small metadata file (special ids, chat template)."""
