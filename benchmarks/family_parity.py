@@ -72,6 +72,9 @@ FAMILIES = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
         **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, norm_topk_prob=False),
+    # Phi-3-mini-4k's in small: fused qkv and gate_up projections, a sliding window of 8.
+    "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=8, pad_token_id=0,
+                                            original_max_position_embeddings=128),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,

@@ -71,6 +71,7 @@ class ModelConfig:
   embed_scale: bool = False      # embeddings times sqrt(d_model) (Gemma)
   norm_offset: float = 0.0       # RMSNorm multiplies by offset + scale (Gemma: 1, scale from 0)
   sandwich_norms: bool = False   # norms after attention and the MLP too, before the residual
+  hf_family: str = ""            # the Hugging Face model_type it was loaded as: export prefers it
   # Mixture of experts (num_experts=0: every block has a dense SwiGLU MLP).
   num_experts: int = 0           # E routed experts per block, each a SwiGLU of mlp_dim
   top_k: int = 2                 # experts each token is routed to

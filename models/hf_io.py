@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from models.config import ModelConfig
 # Re-exported: models.pretrained, models.gguf_quant and models.hf_bert reach them through hf_io.
-from models.families import (FLAT, config_from_hf, config_to_hf, lookup_name,  # noqa: F401
-                                 name_table)
+from models.families import (FLAT, config_from_hf, config_to_hf, family_of,  # noqa: F401
+                             lookup_name, name_table)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -130,6 +130,7 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.n
   """{our param path: numpy array in cfg.param_dtype}, checking shapes and leftovers."""
   if cfg.is_moe:
     read, names = _unfuse_experts(cfg, read, names)
+  read, names = _split_fused(cfg, read, names)
   np_dtype = np.dtype(cfg.jnp_param_dtype)
   table, tensors, out = name_table(cfg), TensorReader(read, list(names)), {}
   for path, var in nnx.to_flat_state(abstract_params):
@@ -158,7 +159,42 @@ def params_to_hf(model) -> dict[str, np.ndarray]:
       elif n_in:
         a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T
       tensors[template.format(*index)] = np.ascontiguousarray(a)
+  for i in range(model.cfg.num_layers):  # the parts of a fused tensor, rows in order
+    for fused, parts in _fused_parts(model.cfg).items():
+      names = [f"model.layers.{i}.{part}" for part, _ in parts]
+      tensors[f"model.layers.{i}.{fused}"] = np.concatenate([tensors.pop(n) for n in names])
   return tensors
+
+
+def _fused_parts(cfg: ModelConfig) -> dict:
+  family = family_of(cfg)
+  return family.fused(cfg) if family.fused is not None else {}
+
+
+def _split_fused(cfg: ModelConfig, read: Callable, names: Iterable[str]):
+  """(read, names) serving a family's row-fused tensors (Phi-3's qkv_proj) as their parts."""
+  fused = _fused_parts(cfg)
+  if not fused:
+    return read, names
+  pattern = re.compile(r"model\.layers\.(\d+)\.(" + "|".join(map(re.escape, fused)) + ")")
+  virtual, rest = {}, []  # part name -> (fused name, its rows)
+  for name in names:
+    m = pattern.fullmatch(name)
+    if not m:
+      rest.append(name)
+      continue
+    start = 0
+    for part, rows in fused[m[2]]:
+      virtual[f"model.layers.{m[1]}.{part}"] = (name, slice(start, start + rows))
+      start += rows
+
+  def read_part(name):
+    if name not in virtual:
+      return read(name)
+    source, rows = virtual[name]
+    return read(source)[rows]
+
+  return read_part, rest + list(virtual)
 
 
 class SafetensorsDir:

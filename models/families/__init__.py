@@ -5,8 +5,8 @@ writes the tensors by these names; docs/models.md lists what each family is chec
 from models.config import ModelConfig
 # Each module registers its family; Llama first, so errors list the families from it.
 from models.families import llama  # noqa: F401, I001
-from models.families import (gemma2, gemma3, mistral, mixtral, olmoe, qwen2,  # noqa: F401
-                             qwen2_moe, qwen3, qwen3_moe)
+from models.families import (gemma2, gemma3, mistral, mixtral, olmoe, phi3,  # noqa: F401
+                             qwen2, qwen2_moe, qwen3, qwen3_moe)
 from models.families.base import FLAT, REGISTRY, Family, common_hf, common_values
 
 __all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "lookup_name",
@@ -39,7 +39,8 @@ def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelC
   def get(key):
     return hf.get(key, family.defaults.get(key))
 
-  values = {**common_values(hf, get, source), **family.values(hf, get, source)}
+  values = {**common_values(hf, get, source), **family.values(hf, get, source),
+            "hf_family": model_type}
   values.update({key: v for key, v in overrides.items() if v is not None})
   return ModelConfig(**values)
 
@@ -53,6 +54,9 @@ def family_of(cfg: ModelConfig) -> Family:
         f"{cfg.position!r}, use_bias={cfg.use_bias}, attention_scale={cfg.attention_scale}) would "
         "load as a different model")
   claimed = [f for f in REGISTRY.values() if f.claims(cfg)]
+  loaded_as = [f for f in claimed if f.model_type == cfg.hf_family]
+  if loaded_as:  # e.g. a Phi-3 is a windowed Llama too (Mistral): it goes back as it came
+    return loaded_as[0]
   if len(claimed) != 1:
     raise ValueError(
         "no Hugging Face family here has this combination (" + ", ".join(

@@ -82,6 +82,10 @@ class Family:
   # config.json in the shape `common_values` reads (e.g. Gemma 3's per-layer-type rope); None:
   # read as written.
   normalize: Callable[[dict, str], dict] | None = None
+  # Tensors the family stores fused along their output rows (Phi-3's qkv_proj, gate_up_proj):
+  # fused(cfg) -> {fused name after "model.layers.{0}.": [(part name, rows), ...]}, the parts
+  # being names in layer_names, in order.
+  fused: Callable[[ModelConfig], dict] | None = None
 
 
 REGISTRY: dict[str, Family] = {}  # model_type -> Family, in registration order
