@@ -68,7 +68,8 @@ def _make_forward(model, split: int, final: bool):
     mid_BTD, _ = run_stack(halves[0], cfg, x_BTD, positions_BT, None, bias_fn=m.bias_fn())
     states = [("mid", mid_BTD)]
     if final:
-      x_BTD, _ = run_stack(halves[1], cfg, mid_BTD, positions_BT, None, bias_fn=m.bias_fn())
+      x_BTD, _ = run_stack(halves[1], cfg, mid_BTD, positions_BT, None, bias_fn=m.bias_fn(),
+                           first_layer=split)
       states.append(("final", m.final_hidden(x_BTD)))
     w_BT = resp_BT / jnp.maximum(resp_BT.sum(1, keepdims=True), 1.0)
     out = {}

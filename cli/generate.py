@@ -8,6 +8,10 @@
 or a .gguf file.
 """
 
+import contextlib
+import signal
+import threading
+
 from absl import flags
 
 from cli.parsing import UsageError, parse, require, require_paths
@@ -71,9 +75,28 @@ def run_generate(fv, params: SamplingParams) -> None:
   engine = Engine(model, tokenizer, max_seq_len=min(max(len(ids) + max_new, 1),
                                                     model.cfg.max_seq_len), max_batch=1,
                   kv_dtype=fv["kv_dtype"].value)
-  for token in engine.stream(ids, params):
-    print(token.text, end="", flush=True)
+  with interrupt_between_tokens() as interrupted:
+    for token in engine.stream(ids, params):
+      print(token.text, end="", flush=True)
+      if interrupted:
+        raise KeyboardInterrupt
   print()
+
+
+@contextlib.contextmanager
+def interrupt_between_tokens():
+  """Ctrl-C while streaming is noted, and acted on after the current token: raised inside
+  JAX's compile path, a KeyboardInterrupt can be swallowed by its bare `except:` (jax
+  _src/interpreters/pxla.py), and generation then ran on to the end (seen under load)."""
+  interrupted = []
+  if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+    yield interrupted
+    return
+  previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+  try:
+    yield interrupted
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str], command: str = "generate") -> None:

@@ -3,6 +3,7 @@ keys and values scattered into the rows of an empty contiguous cache (infer/kv_c
 Padding every prompt to the longest costs prefill time in proportion; packing pads the sum
 once."""
 
+import jax
 import jax.numpy as jnp
 
 import parallel
@@ -27,8 +28,10 @@ class _Packed:
     window = layer_window(cfg, None) if window is None else window
     impl, tile = cfg.attention_impl, {}
     # "auto" on CPU: tiles (measured). On GPU/TPU "auto" keeps its own choice, unmeasured
-    # here; a position bias runs on the naive kernel whatever is asked.
-    if bias_fn is None and (impl == "blockwise" or (
+    # here; a position bias, soft caps or a traced window run on the naive kernel whatever is
+    # asked, so none is asked.
+    naive_only = bias_fn is not None or cfg.attn_softcap or isinstance(window, jax.Array)
+    if not naive_only and (impl == "blockwise" or (
         impl == "auto" and parallel.platform() not in ("gpu", "tpu"))):
       impl, tile = "blockwise", dict(block_q=PACKED_TILE, block_kv=PACKED_TILE)
     out_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, q_segment_ids_BT=segment_ids_BT,

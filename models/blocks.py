@@ -8,6 +8,7 @@ configured. `cfg.remat` picks the rematerialisation policy.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
@@ -108,7 +109,8 @@ def make_stack(cfg: ModelConfig, rngs: nnx.Rngs, num_layers: int, **block_kwargs
 
 
 def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_BT,
-              prefix_BT=None, enc_BSD=None, enc_segment_ids_BS=None, **call_kwargs):
+              prefix_BT=None, enc_BSD=None, enc_segment_ids_BS=None, *, first_layer: int = 0,
+              **call_kwargs):
   """x_BTD through every layer of a stack (training/prefill): (x_BTD, per-layer stats).
 
   `call_kwargs` (causal, bias_fn) are the same for every layer; the arrays are
@@ -129,8 +131,10 @@ def run_stack(blocks: Block, cfg: ModelConfig, x_BTD, positions_BT, segment_ids_
     body = jax.checkpoint(body, policy=_REMAT[cfg.remat], prevent_cse=not cfg.scan_layers)
   aux = (positions_BT, segment_ids_BT, prefix_BT, enc_BSD, enc_segment_ids_BS)
   if cfg.layer_pattern:
-    # Local/global layers need their index: scanned (and pipelined) with the layers' state.
-    state = (state, jnp.arange(_depth(state), dtype=jnp.int32))
+    # Local/global layers need their index: scanned (and pipelined) with the layers' state;
+    # unscanned, each layer gets a static (numpy) index, so its window is static too.
+    # `first_layer`: the index of the stack's first layer (a stack cut in parts).
+    state = (state, first_layer + np.arange(_depth(state), dtype=np.int32))
   return run_layers(body, x_BTD, state, aux, scan=cfg.scan_layers)
 
 

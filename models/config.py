@@ -158,6 +158,9 @@ class ModelConfig:
     for name in ("attn_softcap", "final_softcap", "rope_local_theta", "norm_offset"):
       if getattr(self, name) < 0:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be >= 0")
+    if self.norm_offset and self.norm != "rms":
+      raise ConfigError(f"model.norm_offset={self.norm_offset} is for RMSNorm (Gemma); "
+                        f"model.norm={self.norm!r}")
     if self.qk_norm and self.qk_norm_full:
       raise ConfigError("model.qk_norm (per head) and model.qk_norm_full (across heads) "
                         "exclude each other")

@@ -10,6 +10,7 @@ the dimension letters used in variable names and einsums.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import attention
@@ -140,8 +141,8 @@ def layer_window(cfg: ModelConfig, layer):
     return cfg.sliding_window
   if layer is None:
     raise ValueError(f"model.layer_pattern={cfg.layer_pattern!r}: attention needs its layer index")
-  if isinstance(layer, int):
-    return cfg.sliding_window if cfg.local_layer(layer) else 0
+  if isinstance(layer, (int, np.integer)):
+    return cfg.sliding_window if cfg.local_layer(int(layer)) else 0
   return jnp.where(is_local(cfg, layer), cfg.sliding_window, NO_WINDOW)
 
 
@@ -149,8 +150,8 @@ def is_local(cfg: ModelConfig, layer):
   """Whether layer `layer` is local: a bool, or traced for a traced index."""
   if not cfg.layer_pattern:
     return bool(cfg.sliding_window)
-  if isinstance(layer, int):
-    return cfg.local_layer(layer)
+  if isinstance(layer, (int, np.integer)):
+    return cfg.local_layer(int(layer))
   if layer is None:
     raise ValueError(f"model.layer_pattern={cfg.layer_pattern!r}: attention needs its layer index")
   kinds = jnp.asarray([cfg.local_layer(i) for i in range(len(cfg.layer_pattern))])

@@ -63,3 +63,26 @@ def test_a_gemma_export_needs_an_integer_query_scalar(tmp_path):
                            norm_offset=1.0, embed_scale=True, attention_scale=0.3)
   with pytest.raises(ValueError, match="query_pre_attn_scalar is an integer"):
     models.export_hf(models.abstract_model(cfg), None, str(tmp_path / "out"))
+
+
+def test_what_no_family_can_write_is_refused_not_changed():
+  from models.families import config_to_hf
+  moe_window = models.ModelConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2,
+                                  num_kv_heads=1, mlp_dim=48, num_experts=4, qk_norm=True,
+                                  sliding_window=8)
+  with pytest.raises(ValueError, match="model.sliding_window=8.*cannot export"):
+    config_to_hf(moe_window)  # Qwen3-MoE would write use_sliding_window=false
+  # A Gemma with global layers only still names a window: transformers builds the sliding mask.
+  gemma = models.ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2,
+                             num_kv_heads=1, mlp_dim=48, mlp_activation="geglu",
+                             sandwich_norms=True, norm_offset=1.0, embed_scale=True,
+                             max_seq_len=256)
+  hf = config_to_hf(gemma)
+  assert hf["sliding_window"] == 256 and hf["layer_types"] == ["full_attention"] * 2
+  with pytest.raises(models.ConfigError, match="norm_offset=1.0 is for RMSNorm"):
+    models.ModelConfig(norm="layer", norm_offset=1.0)
+  with pytest.raises(ValueError, match="qkv_bias=False is not supported"):
+    models.families.config_from_hf({"model_type": "qwen2_moe", "vocab_size": 64,
+                                    "hidden_size": 32, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "intermediate_size": 48,
+                                    "qkv_bias": False})

@@ -15,7 +15,9 @@ __all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "l
 
 # The fields that tell the families apart, named when none (or several) claims a model.
 _TELLING = ("num_experts", "qkv_bias", "qk_norm", "qk_norm_full", "sliding_window",
-            "mlp_activation", "attention_scale", "shared_mlp_dim", "shared_gate")
+            "mlp_activation", "attention_scale", "shared_mlp_dim", "shared_gate", "layer_pattern",
+            "rope_local_theta", "attn_softcap", "final_softcap", "embed_scale", "norm_offset",
+            "sandwich_norms")
 
 
 def _supported() -> str:

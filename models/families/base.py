@@ -78,7 +78,6 @@ class Family:
   to_hf: Callable[[ModelConfig, dict], dict]
   layer_names: Callable[[ModelConfig], dict]
   global_names: dict = dataclasses.field(default_factory=lambda: dict(GLOBAL))
-  describe: str = ""
   # config.json in the shape `common_values` reads (e.g. Gemma 3's per-layer-type rope); None:
   # read as written.
   normalize: Callable[[dict, str], dict] | None = None
@@ -106,7 +105,8 @@ def refuse_keys(hf: dict, source: str, keys=("attention_bias", "mlp_bias")) -> N
   """Rejects config.json flags this decoder does not model (true-valued `keys`)."""
   for key in keys:
     if hf.get(key):
-      raise ValueError(f"{source}: {key}=true is not supported (the decoder has no such biases)")
+      raise ValueError(f"{source}: {key}=true is not supported (the decoder has no such "
+                       "mechanism)")
 
 
 def check_activation(hf: dict, source: str, allowed=("silu",), key: str = "hidden_act") -> str:
@@ -215,5 +215,6 @@ def moe_hf(cfg: ModelConfig, hf: dict, family: str, ffn_key: str, rules: dict) -
 
 
 def routed(cfg: ModelConfig) -> bool:
-  """A Llama-shaped decoder with routed experts (what the MoE families add to)."""
-  return cfg.plain_llama and cfg.is_moe
+  """A Llama-shaped decoder with routed experts and no sliding window (what the MoE families
+  add to: none of them writes a window transformers would run)."""
+  return cfg.plain_llama and cfg.is_moe and not cfg.sliding_window

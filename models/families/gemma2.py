@@ -58,7 +58,8 @@ def gemma_hf(cfg, hf: dict) -> dict:
                      " an integer's inverse square root (query_pre_attn_scalar is an integer)")
   return {**hf, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
           "query_pre_attn_scalar": int(round(scalar)),
-          "sliding_window": cfg.sliding_window or None, "layer_types": kinds,
+          # transformers builds the sliding mask even with no sliding layer: never null
+          "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": kinds,
           "attn_logit_softcapping": cfg.attn_softcap or None,
           "final_logit_softcapping": cfg.final_softcap or None, "attention_bias": False}
 
@@ -78,5 +79,4 @@ GEMMA2 = base.register(base.Family(
     values=lambda hf, get, source: gemma_values(hf, get, source, every=2),
     claims=lambda cfg: gemma_shaped(cfg) and not cfg.qk_norm and not cfg.rope_local_theta,
     to_hf=gemma_hf,
-    layer_names=lambda cfg: {**base.ATTENTION, **NORMS, **base.DENSE_MLP},
-    describe="Gemma's block; soft-capped scores and logits; local/global layers"))
+    layer_names=lambda cfg: {**base.ATTENTION, **NORMS, **base.DENSE_MLP}))

@@ -31,10 +31,11 @@ def _values(hf, get, source):
 
 def _to_hf(cfg, hf):
   out = gemma2.gemma_hf(cfg, hf)
-  out["rope_parameters"] = {
-      "full_attention": rope_lib.to_hf(cfg.rope, cfg.rope_theta),
-      "sliding_attention": {"rope_type": "default",
-                            "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}
+  full = rope_lib.to_hf(cfg.rope, cfg.rope_theta)
+  # Without a local base, local layers run the global RoPE, scaling included (models/layers.py).
+  local = ({"rope_type": "default", "rope_theta": cfg.rope_local_theta}
+           if cfg.rope_local_theta else dict(full))
+  out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
   return out
 
 
@@ -48,5 +49,4 @@ GEMMA3 = base.register(base.Family(
     claims=lambda cfg: gemma2.gemma_shaped(cfg) and cfg.qk_norm,
     to_hf=_to_hf,
     layer_names=lambda cfg: {**base.ATTENTION, **gemma2.NORMS, **base.DENSE_MLP, **base.QK_NORM},
-    describe="Gemma 2 with per-head q/k norms and separate local/global RoPE bases",
     normalize=_normalize))

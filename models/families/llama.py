@@ -11,5 +11,4 @@ LLAMA = base.register(base.Family(
     claims=lambda cfg: (base.dense_llama(cfg) and not cfg.qkv_bias and not cfg.qk_norm
                         and not cfg.sliding_window),
     to_hf=lambda cfg, hf: {**hf, "attention_bias": False, "mlp_bias": False},
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP},
-    describe="RoPE (with Llama 3.x's llama3 scaling, linear, yarn), no biases"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP}))

@@ -19,5 +19,4 @@ MISTRAL = base.register(base.Family(
     claims=lambda cfg: (base.dense_llama(cfg) and bool(cfg.sliding_window) and not cfg.qkv_bias
                         and not cfg.qk_norm),
     to_hf=lambda cfg, hf: {**hf, "sliding_window": cfg.sliding_window},
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP},
-    describe="a sliding window on every layer (model.sliding_window)"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP}))

@@ -43,7 +43,6 @@ MIXTRAL = base.register(base.Family(
                   router_aux_loss_coef=0.001),
     values=_values,
     claims=lambda cfg: (base.routed(cfg) and not cfg.qkv_bias and not cfg.qk_norm
-                        and not cfg.qk_norm_full and not cfg.sliding_window),
+                        and not cfg.qk_norm_full),
     to_hf=_to_hf,
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **_MOE_MLP},
-    describe="top-k routed experts"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **_MOE_MLP}))

@@ -33,5 +33,4 @@ OLMOE = base.register(base.Family(
     values=_values,
     claims=lambda cfg: base.routed(cfg) and cfg.qk_norm_full and not cfg.qkv_bias,
     to_hf=_to_hf,
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.EXPERTS, **_QK_NORM_FULL},
-    describe="one q/k RMSNorm across all heads (model.qk_norm_full), routed experts"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.EXPERTS, **_QK_NORM_FULL}))

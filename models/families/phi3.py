@@ -45,5 +45,4 @@ PHI3 = base.register(base.Family(
                            # a padding index only stops its embedding's gradient in training
                            "pad_token_id": None},
     layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP},
-    describe="fused qkv and gate_up projections, a sliding window",
     fused=_fused))

@@ -13,5 +13,4 @@ QWEN2 = base.register(base.Family(
                         and not cfg.sliding_window),
     to_hf=lambda cfg, hf: {**hf, "use_sliding_window": False, "sliding_window": None,
                            "max_window_layers": cfg.num_layers},
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP, **base.QKV_BIAS},
-    describe="biases on q/k/v (model.qkv_bias), tied embeddings"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP, **base.QKV_BIAS}))

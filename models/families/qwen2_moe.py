@@ -14,6 +14,8 @@ _SHARED = {
 
 def _values(hf, get, source):
   base.llama_checks(hf, source, base.unused_window)
+  if hf.get("qkv_bias", True) is not True:
+    raise ValueError(f"{source}: qkv_bias={hf['qkv_bias']!r} is not supported; only true")
   shared = get("shared_expert_intermediate_size")
   return {**base.moe_values(hf, get, source, "moe_intermediate_size"), "qkv_bias": True,
           "shared_mlp_dim": shared, "shared_gate": bool(shared)}
@@ -37,5 +39,4 @@ QWEN2_MOE = base.register(base.Family(
     claims=lambda cfg: base.routed(cfg) and cfg.qkv_bias and not cfg.qk_norm,
     to_hf=_to_hf,
     layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.EXPERTS, **base.QKV_BIAS,
-                             **(_SHARED if cfg.shared_mlp_dim else {})},
-    describe="Qwen2's attention, routed experts and a sigmoid-gated shared expert"))
+                             **(_SHARED if cfg.shared_mlp_dim else {})}))

@@ -13,5 +13,4 @@ QWEN3 = base.register(base.Family(
                         and not cfg.sliding_window),
     to_hf=lambda cfg, hf: {**hf, "use_sliding_window": False, "sliding_window": None,
                            "max_window_layers": cfg.num_layers, "attention_bias": False},
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP, **base.QK_NORM},
-    describe="RMSNorm over each head's query and key (model.qk_norm)"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP, **base.QK_NORM}))

@@ -26,5 +26,4 @@ QWEN3_MOE = base.register(base.Family(
     values=_values,
     claims=lambda cfg: base.routed(cfg) and cfg.qk_norm and not cfg.qkv_bias,
     to_hf=_to_hf,
-    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.EXPERTS, **base.QK_NORM},
-    describe="Qwen3's attention, routed experts (normalised top-k where norm_topk_prob)"))
+    layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.EXPERTS, **base.QK_NORM}))
