@@ -99,5 +99,6 @@ def test_speculative_decoding_matches_the_engine(model, draft):
   spec = SpeculativeDecoder(model, drafter, gamma=3, max_seq_len=96)
   with jax.default_matmul_precision("highest"):
     got, stats = spec.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
-  assert stats.target_passes < 40 or draft == "model"
+  if draft == "lookup":  # its drafts were accepted: fewer target passes than tokens
+    assert stats.target_passes < 40
   assert [got] == run(model, [prompt], new=40)
