@@ -75,6 +75,25 @@ FAMILIES = {
     # Phi-3-mini-4k's in small: fused qkv and gate_up projections, a sliding window of 8.
     "phi3": lambda: transformers.Phi3Config(**COMMON, sliding_window=8, pad_token_id=0,
                                             original_max_position_embeddings=128),
+    # DeepSeek-V3's in small: latent attention with a query latent (q_lora_rank), 8 experts in
+    # 4 groups routed by sigmoid scores with the balancing bias, one shared expert, the first
+    # block dense; YaRN with mscale, so the 48-token prompts run past the 16 original positions.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, kv_lora_rank=16,
+        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=8.0, beta_fast=32,
+                             beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                             original_max_position_embeddings=16)),
+    # DeepSeek-V2-Lite's in small: queries projected directly, a softmax over 8 experts, top-2
+    # unnormalised, two shared experts, the first block dense.
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,
@@ -106,6 +125,9 @@ def make_family(name: str, directory: str, chat_template: str | None = None):
     for pname, p in hf.named_parameters():
       if pname.endswith("bias") or pname.endswith("norm.weight"):
         p.copy_((1.0 if pname.endswith("norm.weight") else 0.0) + 0.3 * torch.randn_like(p))
+    for bname, buf in hf.named_buffers():  # DeepSeek-V3's balancing bias, zero at init
+      if bname.endswith("e_score_correction_bias"):
+        buf.copy_(0.3 * torch.randn_like(buf))
   hf.save_pretrained(directory)
   write_tokenizer(directory, chat_template=chat_template)
   ours, tokenizer = models.load_pretrained(str(directory))

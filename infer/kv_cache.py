@@ -86,12 +86,18 @@ def check_kv_dtype(kv_dtype) -> None:
                      "dtype) or 'int8'")
 
 
+def kv_axes(heads: int) -> tuple:
+  """KV_AXES for a cache of `heads` heads: a latent cache's one head is every device's."""
+  return KV_AXES if heads > 1 else KV_AXES[:3] + (None, None)
+
+
 def constrain_cache(cache: KVCache) -> KVCache:
   """Pins the cache's sharding by logical names (a no-op outside a mesh)."""
   slots = lambda a: constrain(a, SLOT_AXES[:a.ndim])
-  scale = lambda a: None if a is None else constrain(a, SCALE_AXES)
+  axes = kv_axes(cache.k_LBSKH.shape[3])
+  scale = lambda a: None if a is None else constrain(a, axes[:-1])
   prefix = None if cache.prefix_BS is None else slots(cache.prefix_BS)
-  return KVCache(constrain(cache.k_LBSKH, KV_AXES), constrain(cache.v_LBSKH, KV_AXES),
+  return KVCache(constrain(cache.k_LBSKH, axes), constrain(cache.v_LBSKH, axes),
                  slots(cache.segment_ids_BS), slots(cache.positions_BS), slots(cache.lengths_B),
                  scale(cache.k_scale_LBSK), scale(cache.v_scale_LBSK), prefix)
 
@@ -115,34 +121,39 @@ def init(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None
   dtype, or int8 + scales."""
   check_kv_dtype(kv_dtype)
   max_len = slots_for(cfg, max_len)
-  shape = (cfg.decoder_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  heads, hk, hv = cfg.cache_dims
+  shape = (cfg.decoder_layers, batch, max_len, heads)
   zeros_BS = jnp.zeros((batch, max_len), jnp.int32)
   dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
-  scales = (jnp.zeros(shape[:-1], jnp.float32),) * 2 if kv_dtype == "int8" else (None, None)
+  scales = (jnp.zeros(shape, jnp.float32),) * 2 if kv_dtype == "int8" else (None, None)
   prefix = zeros_BS if cfg.arch == "prefix_lm" else None
-  return constrain_cache(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_BS,
-                                 zeros_BS, jnp.zeros((batch,), jnp.int32), *scales, prefix))
+  return constrain_cache(KVCache(jnp.zeros((*shape, hk), dtype), jnp.zeros((*shape, hv), dtype),
+                                 zeros_BS, zeros_BS, jnp.zeros((batch,), jnp.int32), *scales,
+                                 prefix))
 
 
-def head_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
-  """Bytes of one token's key (or value) in one layer and kv head, its int8 scale included."""
+def token_bytes(cfg: ModelConfig, kv_dtype: str | None = None) -> int:
+  """Bytes of one token's keys and values in one layer, every cached head and int8 scale
+  included (a latent cache: its one latent head, no values)."""
   check_kv_dtype(kv_dtype)
+  heads, hk, hv = cfg.cache_dims
   if kv_dtype == "int8":
-    return cfg.head_dim + 4
-  return cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
+    return heads * (hk + hv + 8)  # both float32 scales are kept, a latent's (empty) value's too
+  return heads * (hk + hv) * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> int:
   """Bytes of keys and values (and int8 scales) in a cache of `batch` rows for `max_len`
   positions (`slots_for` slots each)."""
-  return (2 * cfg.decoder_layers * batch * slots_for(cfg, max_len) * cfg.num_kv_heads
-          * head_bytes(cfg, kv_dtype))
+  return cfg.decoder_layers * batch * slots_for(cfg, max_len) * token_bytes(cfg, kv_dtype)
 
 
 def quantize(x_H):
   """(int8 x_H, float32 scale): symmetric absmax/127 over the last axis, so each element is
   off by at most scale/2; an all-zero vector gets scale 0."""
   x32_H = x_H.astype(jnp.float32)
+  if not x_H.shape[-1]:  # a latent cache's empty values
+    return x_H.astype(jnp.int8), jnp.zeros(x_H.shape[:-1], jnp.float32)
   scale = jnp.max(jnp.abs(x32_H), axis=-1) / 127
   safe = jnp.where(scale > 0, scale, 1)[..., None]  # zeros quantize to 0, not NaN
   return jnp.clip(jnp.round(x32_H / safe), -127, 127).astype(jnp.int8), scale
@@ -198,7 +209,7 @@ class _Slots:
       layer_cache = (self.cache.k_LBSKH[layer_cache, :, :w],
                      self.cache.v_LBSKH[layer_cache, :, :w])
     k_BSKH, v_BSKH = layer_cache
-    names = KV_AXES[1:]
+    names = kv_axes(k_BSKH.shape[2])[1:]
     k_BSKH = constrain(write_rows(k_BSKH, k_BTKH.astype(k_BSKH.dtype), self.index_B, self.ring),
                        names)
     v_BSKH = constrain(write_rows(v_BSKH, v_BTKH.astype(v_BSKH.dtype), self.index_B, self.ring),
@@ -215,9 +226,10 @@ class _Slots:
     kq_BTKH, k_scale_BTK = quantize(k_BTKH)
     vq_BTKH, v_scale_BTK = quantize(v_BTKH)
     write = lambda buf, new, names: constrain(write_rows(buf, new, self.index_B, self.ring), names)
-    k_BSKH, v_BSKH = write(k_BSKH, kq_BTKH, KV_AXES[1:]), write(v_BSKH, vq_BTKH, KV_AXES[1:])
-    k_scale_BSK = write(k_scale_BSK, k_scale_BTK, SCALE_AXES[1:])
-    v_scale_BSK = write(v_scale_BSK, v_scale_BTK, SCALE_AXES[1:])
+    axes = kv_axes(k_BSKH.shape[2])
+    k_BSKH, v_BSKH = write(k_BSKH, kq_BTKH, axes[1:]), write(v_BSKH, vq_BTKH, axes[1:])
+    k_scale_BSK = write(k_scale_BSK, k_scale_BTK, axes[1:-1])
+    v_scale_BSK = write(v_scale_BSK, v_scale_BTK, axes[1:-1])
     out_BTNH = self.slot_attention(q_BTNH, dequantize(k_BSKH, k_scale_BSK, q_BTNH.dtype),
                                    dequantize(v_BSKH, v_scale_BSK, q_BTNH.dtype), positions_BT,
                                    segment_ids_BT, cfg, bias_fn, window)
@@ -233,7 +245,8 @@ class _Slots:
                      kv_segment_ids_BS=self.segment_ids_BS[:, :s], q_positions_BT=positions_BT,
                      kv_positions_BS=self.positions_BS[:, :s], causal=True,
                      sliding_window=window, impl=cfg.attention_impl, scale=cfg.scale,
-                     bias_fn=bias_fn, kv_prefix_BS=prefix_BS, softcap=cfg.attn_softcap)
+                     bias_fn=bias_fn, kv_prefix_BS=prefix_BS, softcap=cfg.attn_softcap,
+                     value_dims=cfg.latent_values)
 
 
 def forward(model, tokens_BT, segment_ids_BT, cache: KVCache, *, all_logits=False, width=None):
@@ -340,8 +353,9 @@ class _LayerWrites:
     self.k_LBSKH = write_layers(self.k_LBSKH, k_BTKH, slots_BT, layer)
     self.v_LBSKH = write_layers(self.v_LBSKH, v_BTKH, slots_BT, layer)
     w = self.slots.width or self.k_LBSKH.shape[2]
-    k_BSKH = constrain(self.k_LBSKH[layer, :, :w], KV_AXES[1:])
-    v_BSKH = constrain(self.v_LBSKH[layer, :, :w], KV_AXES[1:])
+    axes = kv_axes(self.k_LBSKH.shape[3])[1:]
+    k_BSKH = constrain(self.k_LBSKH[layer, :, :w], axes)
+    v_BSKH = constrain(self.v_LBSKH[layer, :, :w], axes)
     out_BTNH = self.slots.slot_attention(q_BTNH, k_BSKH, v_BSKH, positions_BT, segment_ids_BT,
                                          cfg, bias_fn, window)
     return out_BTNH, None

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from infer.kv_cache import check_kv_dtype, dequantize, head_bytes, quantize
+from infer.kv_cache import check_kv_dtype, dequantize, quantize, token_bytes
 from infer.ragged import NULL_PAGE, RaggedPages, attend as ragged_attend, pages_of_tokens
 from models.attention import attention
 from models.config import ModelConfig
@@ -69,16 +69,23 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int,
               kv_dtype: str | None = None) -> PagePool:
   """A zeroed pool of `num_pages` pages (page 0 included): compute dtype, or int8 + scales."""
   check_kv_dtype(kv_dtype)
-  shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+  heads, hk, hv = cfg.cache_dims
+  shape = (cfg.num_layers, heads, num_pages, page_size)
   dtype = jnp.int8 if kv_dtype == "int8" else cfg.jnp_dtype
-  zeros = lambda: constrain(jnp.zeros(shape, dtype), POOL_AXES)
-  scales = lambda: constrain(jnp.zeros(shape[:-1], jnp.float32), SCALE_AXES)
-  return PagePool(zeros(), zeros(), *((scales(), scales()) if kv_dtype == "int8" else ()))
+  axes = pool_axes(heads)
+  zeros = lambda h: constrain(jnp.zeros((*shape, h), dtype), axes)
+  scales = lambda: constrain(jnp.zeros(shape, jnp.float32), axes[:-1])
+  return PagePool(zeros(hk), zeros(hv), *((scales(), scales()) if kv_dtype == "int8" else ()))
+
+
+def pool_axes(heads: int) -> tuple:
+  """POOL_AXES for a pool of `heads` heads: a latent pool's one head is every device's."""
+  return POOL_AXES if heads > 1 else (POOL_AXES[0], None, None, None, None)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> int:
   """Bytes one page takes across all layers, keys and values (and int8 scales)."""
-  return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * head_bytes(cfg, kv_dtype)
+  return cfg.num_layers * page_size * token_bytes(cfg, kv_dtype)
 
 
 def gather_pages(pages_KWZH, table_BY):
@@ -224,7 +231,7 @@ def attend_gathered(q_BTNH, k_BSKH, v_BSKH, lengths_B, positions_BT, segment_ids
                    kv_segment_ids_BS=kv_segment_ids_BS, q_positions_BT=positions_BT,
                    kv_positions_BS=kv_positions_BS, causal=True,
                    sliding_window=window, impl=cfg.attention_impl, scale=cfg.scale,
-                   softcap=cfg.attn_softcap)
+                   softcap=cfg.attn_softcap, value_dims=cfg.latent_values)
 
 
 def _pallas_decode_ok(q_BTNH, cfg: ModelConfig) -> bool:
@@ -235,7 +242,7 @@ def _uses_kernel(t: int, cfg: ModelConfig) -> bool:
   # The kernel serves one query per row with a full causal prefix: no windows, TPU only.
   # Mosaic tiles its head dimension by the TPU's 128 lanes: a smaller head fails to lower
   # (seen compiling head_dim 32 for v5e), so it takes the gathered path.
-  return (t == 1 and not cfg.sliding_window and not cfg.attn_softcap
+  return (t == 1 and not cfg.sliding_window and not cfg.attn_softcap and not cfg.mla
           and parallel.platform() == "tpu"
           and cfg.head_dim % 128 == 0 and cfg.attention_impl in ("auto", "pallas"))
 
@@ -281,22 +288,22 @@ def forward(model, pool: PagePool, tokens_BT, segment_ids_BT, start_B, table_BY,
   if ragged is not None and not in_place:
     raise ValueError("ragged attention reads a float pool in place: not with in_place=False "
                      "or int8 pages")
+  axes = pool_axes(pool.k_LKWZH.shape[1])
   if in_place:
     pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B, pool, ragged)
     layers = jnp.arange(pool.k_LKWZH.shape[0])
     if is_unrolled(model):  # each layer writes its chunk into the pool itself
       writes = _LayerWrites(pages)
       logits, _ = model.decode(tokens_BT, positions_BT, real_BT, layers, writes, last_B)
-      return logits, PagePool(constrain(writes.k_LKWZH, POOL_AXES),
-                              constrain(writes.v_LKWZH, POOL_AXES))
+      return logits, PagePool(constrain(writes.k_LKWZH, axes), constrain(writes.v_LKWZH, axes))
     logits, (k_LBTKH, v_LBTKH) = model.decode(tokens_BT, positions_BT, real_BT, layers, pages,
                                               last_B)
     write = lambda pages_LKWZH, new_LBTKH: constrain(pages_LKWZH.at[:, :, page_BT, slot_BT].set(
-        jnp.moveaxis(new_LBTKH, 3, 1).astype(pages_LKWZH.dtype)), POOL_AXES)
+        jnp.moveaxis(new_LBTKH, 3, 1).astype(pages_LKWZH.dtype)), axes)
     return logits, PagePool(write(pool.k_LKWZH, k_LBTKH), write(pool.v_LKWZH, v_LBTKH))
   pages = _Pages(table_BY, page_BT, slot_BT, start_B + n_B)
   logits, (k_LKWZH, v_LKWZH, *scales) = model.decode(
       tokens_BT, positions_BT, real_BT, pool.layers, pages, last_B)
-  return logits, PagePool(constrain(k_LKWZH, POOL_AXES), constrain(v_LKWZH, POOL_AXES),
-                          *(constrain(s, SCALE_AXES) for s in scales))
+  return logits, PagePool(constrain(k_LKWZH, axes), constrain(v_LKWZH, axes),
+                          *(constrain(s, axes[:-1]) for s in scales))
 

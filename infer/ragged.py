@@ -104,7 +104,10 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
   # an entry's Y pages as one run of S = Y·Z key slots: one dot per entry, not per page
   p, y = pages.page_PY.shape
   k_KPSH = k_LKWZH[layer][:, pages.page_PY].reshape(k, p, y * z, h).astype(dtype)
-  v_KPSH = v_LKWZH[layer][:, pages.page_PY].reshape(k, p, y * z, h).astype(dtype)
+  if cfg.latent_values:  # a latent cache: the values are the keys' first features
+    v_KPSH, v_BTKH = k_KPSH[..., :cfg.latent_values], k_BTKH[..., :cfg.latent_values]
+  else:
+    v_KPSH = v_LKWZH[layer][:, pages.page_PY].reshape(k, p, y * z, -1).astype(dtype)
   old_KPGTS = jnp.einsum("KPGTH,KPSH->KPGTS", q_KPGTH, k_KPSH).astype(jnp.float32) * cfg.scale
   # the chunk's own keys, at key positions S (the same positions as its queries T)
   new_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BTKH.astype(dtype)).astype(
@@ -142,4 +145,4 @@ def attend(q_BTNH, k_BTKH, v_BTKH, k_LKWZH, v_LKWZH, layer, pages: RaggedPages, 
                + jnp.einsum("BKGTS,BSKH->BKGTH", new_BKGTS.astype(dtype), v_BTKH.astype(dtype),
                             preferred_element_type=jnp.float32))
   out_BKGTH = out_BKGTH / jnp.where(sum_BKGT > 0, sum_BKGT, 1.0)[..., None]
-  return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(dtype)
+  return jnp.transpose(out_BKGTH, (0, 3, 1, 2, 4)).reshape(b, t, n, -1).astype(dtype)

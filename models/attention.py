@@ -62,16 +62,21 @@ _reported = set()
 def attention(q_BTNH, k_BSKH, v_BSKH, *, q_segment_ids_BT=None, kv_segment_ids_BS=None,
               q_positions_BT=None, kv_positions_BS=None, causal=True, sliding_window=None,
               impl="auto", block_q=512, block_kv=512, scale=None, kv_prefix_BS=None,
-              bias_fn=None, softcap=0.0):
+              bias_fn=None, softcap=0.0, value_dims=0):
   """softmax(q·kᵀ·scale + mask)·v per head -> out_BTNH; query head n reads kv head n // (N/K).
 
   `scale` defaults to H^-0.5; `block_q`/`block_kv` size the blockwise (and Pallas) tiles.
+  Values may be narrower or wider than keys (latent attention); `value_dims` > 0: the values
+  are the keys' first `value_dims` features and v_BSKH is not read (a latent cache stores
+  none).
   """
   b, t, n, h = q_BTNH.shape
   s, k = k_BSKH.shape[1], k_BSKH.shape[2]
-  if k_BSKH.shape != (b, s, k, h) or v_BSKH.shape != k_BSKH.shape or n % k:
+  if value_dims:
+    v_BSKH = k_BSKH[..., :value_dims]
+  if k_BSKH.shape != (b, s, k, h) or v_BSKH.shape[:3] != (b, s, k) or n % k:
     raise ValueError(f"attention shapes q {q_BTNH.shape}, k {k_BSKH.shape}, v {v_BSKH.shape}: "
-                     "want q [B,T,N,H], k = v [B,S,K,H] with K dividing N")
+                     "want q [B,T,N,H], k [B,S,K,H], v [B,S,K,H'] with K dividing N")
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r}; choose one of {IMPLS}")
   if q_segment_ids_BT is not None and kv_segment_ids_BS is None:
@@ -199,7 +204,7 @@ def _naive(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, spec
     # Masked entries are already exactly 0 unless the whole row is masked (then the
     # softmax is uniform); zeroing them gives such rows a zero output.
     probs_BKGTS = jnp.where(mask_B11TS, probs_BKGTS, 0.0).astype(v_BSKH.dtype)
-  out_BTNH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH).reshape(b, t, n, h)
+  out_BTNH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH).reshape(b, t, n, -1)
   return _zero_padding_rows(out_BTNH, q_seg) if self_attention else out_BTNH
 
 
@@ -223,7 +228,7 @@ def _blockwise(q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_pos, kv_prefix, 
     kv_info += (pad(kv_prefix.astype(jnp.int32), sp),)
   out_BTKGH = _flash(q_BTKGH, pad(k_BSKH, sp), pad(v_BSKH, sp),
                      (pad(q_pos, tp), pad(q_seg, tp)), kv_info, spec)
-  return out_BTKGH.reshape(b, tp, n, h)[:, :t]
+  return out_BTKGH.reshape(b, tp, n, -1)[:, :t]
 
 
 def _blocks(x, size):
@@ -278,7 +283,7 @@ def _flash_fwd(q_BTKGH, k_BSKH, v_BSKH, q_info, kv_info, spec):
       return lax.cond(mask_BTS.any(), update, lambda c: c, carry), None
 
     init = (jnp.full((b, k, g, bq), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, bq), jnp.float32),
-            jnp.zeros((b, k, g, bq, h), jnp.float32))
+            jnp.zeros((b, k, g, bq, v_BSKH.shape[-1]), jnp.float32))
     (m_BKGT, l_BKGT, acc_BKGTH), _ = lax.scan(kv_step, init, kv_blocks)
     seen = l_BKGT > 0
     out_BKGTH = jnp.where(seen[..., None], acc_BKGTH / jnp.where(seen, l_BKGT, 1.0)[..., None], 0.0)
@@ -328,8 +333,8 @@ def _flash_bwd(spec, res, dout_BTKGH):
       skip = lambda c: (c, jnp.zeros(q_BTKGH.shape, jnp.float32))
       return lax.cond(mask_BTS.any(), update, skip, carry)
 
-    zeros_kv = jnp.zeros(k_BSKH.shape, jnp.float32)
-    (dk_BSKH, dv_BSKH), dq_part = lax.scan(q_step, (zeros_kv, zeros_kv), q_blocks)
+    zeros = (jnp.zeros(k_BSKH.shape, jnp.float32), jnp.zeros(v_BSKH.shape, jnp.float32))
+    (dk_BSKH, dv_BSKH), dq_part = lax.scan(q_step, zeros, q_blocks)
     return dq_QBTKGH + dq_part, (dk_BSKH, dv_BSKH)
 
   dq_QBTKGH, (dk_CBSKH, dv_CBSKH) = lax.scan(
@@ -362,6 +367,8 @@ def _fast_path_refusal(impl, q_BTNH, k_BSKH, v_BSKH, q_seg, kv_seg, q_pos, kv_po
     return "explicit positions (the kernel masks by index): decode or offset queries"
   if t != k_BSKH.shape[1]:
     return f"cross/decode attention T={t} != S={k_BSKH.shape[1]}"
+  if v_BSKH.shape[-1] != h:
+    return f"values {v_BSKH.shape[-1]} wide, keys {h} (latent attention)"
   if kv_seg is not None and q_seg is not kv_seg:
     return "query and key segment ids are different arrays (the kernel assumes self-attention)"
   if impl == "cudnn":

@@ -13,6 +13,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import MLP, Attention, Norm
+from models.mla import LatentAttention
 from models.moe import MoE
 from parallel import constrain, run_layers
 
@@ -34,7 +35,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, *, cross: bool = False):
     self.post_norm = cfg.norm_position == "post"
     self.attn_norm = Norm(cfg)
-    self.attn = Attention(cfg, rngs)
+    self.attn = LatentAttention(cfg, rngs) if cfg.mla else Attention(cfg, rngs)
     if cross:
       self.cross_norm = Norm(cfg)
       self.cross_attn = Attention(cfg, rngs)
@@ -143,26 +144,28 @@ def _depth(state) -> int:
 
 
 def decode_stack(blocks: Block, x_BTD, positions_BT, segment_ids_BT, layers_cache, cache,
-                 per_layer=None, **call_kwargs):
+                 per_layer=None, *, first_layer: int = 0, **call_kwargs):
   """Cached pass through a stack (inference): (x_BTD, layers_cache).
 
   `per_layer`: {Block.decode keyword: pytree with a leading layer axis}, each layer
   getting its own slice (an encoder-decoder's cross-attention keys and values).
   A scan over the stacked layers; `blocks` a list of per-layer Blocks
   (models/layer_weights.py) runs them one after another, unrolled, and stacks their outputs.
+  `first_layer`: the index of the stack's first layer (a stack cut in parts).
   """
   if isinstance(blocks, list):
     outs = []
     for i, block in enumerate(blocks):
       at = lambda tree, i=i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
       x_BTD, out = block.decode(x_BTD, positions_BT, segment_ids_BT, at(layers_cache), cache,
-                                **call_kwargs, **at(per_layer or {}), **_index(block, i))
+                                **call_kwargs, **at(per_layer or {}),
+                                **_index(block, first_layer + i))
       outs.append(out)
     return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
   graphdef, state = nnx.split(blocks)
   per_layer = dict(per_layer or {})
   if blocks.attn.cfg.layer_pattern:
-    per_layer["layer"] = jnp.arange(_depth(state), dtype=jnp.int32)
+    per_layer["layer"] = first_layer + jnp.arange(_depth(state), dtype=jnp.int32)
 
   def body(x_BTD, xs):
     layer_state, layer_cache, mine = xs

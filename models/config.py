@@ -21,6 +21,7 @@ NORM_POSITIONS = ("pre", "post")
 MLP_ACTIVATIONS = ("swiglu", "geglu", "gelu", "relu")
 POSITIONS = ("rope", "learned", "relative", "none")
 POOLINGS = ("mean", "cls")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,15 @@ class ModelConfig:
   norm_offset: float = 0.0       # RMSNorm multiplies by offset + scale (Gemma: 1, scale from 0)
   sandwich_norms: bool = False   # norms after attention and the MLP too, before the residual
   hf_family: str = ""            # the Hugging Face model_type it was loaded as: export prefers it
+  # Multi-head latent attention (DeepSeek-V2/V3; models/mla.py), on where kv_lora_rank > 0:
+  # every head's key and value come from one normalised latent of kv_lora_rank features per
+  # token, plus one rotary key of rope_head_dim features that all heads share; head_dim is a
+  # head's non-rotary query/key width. The Engine caches the latent and the rotary key only.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0           # >0: queries through a normalised latent too (DeepSeek-V3)
+  rope_head_dim: int = 0         # MLA: the rotary features of each query and the shared key
+  v_head_dim: int = 0            # MLA: a head's value width (0: head_dim)
+  rope_interleaved: bool = False  # rotary pairs (x0, x1), (x2, x3)... (DeepSeek), not halves
   # Mixture of experts (num_experts=0: every block has a dense SwiGLU MLP).
   num_experts: int = 0           # E routed experts per block, each a SwiGLU of mlp_dim
   top_k: int = 2                 # experts each token is routed to
@@ -83,6 +93,12 @@ class ModelConfig:
   aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss weight
   z_loss_weight: float = 0.0     # router z-loss weight (ST-MoE uses 1e-3)
   router_bias_rate: float = 0.0  # >0: auxiliary-loss-free balancing bias step (DeepSeek-V3)
+  router_score: str = "softmax"  # expert scores: softmax over all | sigmoid each (DeepSeek-V3)
+  router_groups: int = 0         # >1: experts in equal groups, a token choosing among the
+  router_group_topk: int = 0     # best router_group_topk groups (DeepSeek's group-limited routing)
+  routed_scale: float = 1.0      # the routed experts' weights times this (routed_scaling_factor)
+  first_dense_layers: int = 0    # MoE: the first k blocks have a dense MLP instead (DeepSeek)
+  dense_mlp_dim: int = 0         # their width (0: mlp_dim)
   grouped_matmul: str = "auto"   # dropless kernel; "auto": tiled on CPU, ragged_dot elsewhere
   matmul: str = "auto"           # projections (models/matmul.py): einsum | flat; "auto": flat on
                                  # a one-device CPU process, einsum elsewhere
@@ -127,7 +143,7 @@ class ModelConfig:
     problem = self.rope.check()
     if problem:
       raise ConfigError(f"model.rope_scaling: {problem}")
-    if self.head_dim % 2 and self.position == "rope":
+    if self.head_dim % 2 and self.position == "rope" and not self.kv_lora_rank:
       raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     for name in ("param_dtype", "dtype"):
       if getattr(self, name) not in _DTYPES:
@@ -142,8 +158,17 @@ class ModelConfig:
                         "(0: no window)")
     if self.num_experts:
       self._check_moe()
+    else:
+      moe_only = [n for n, off in (("first_dense_layers", 0), ("dense_mlp_dim", 0),
+                                   ("router_groups", 0), ("router_group_topk", 0),
+                                   ("router_score", "softmax"), ("routed_scale", 1.0))
+                  if getattr(self, n) != off]
+      if moe_only:
+        raise ConfigError(f"model.{moe_only[0]}={getattr(self, moe_only[0])!r} is a mixture-of-"
+                          "experts setting; model.num_experts=0")
     self._check_arch()
     self._check_layers()
+    self._check_mla()
 
   def _check_layers(self):
     p = self.layer_pattern
@@ -169,6 +194,31 @@ class ModelConfig:
     if self.final_softcap and self.xent == "chunked":
       raise ConfigError("model.final_softcap with model.xent='chunked': the fused loss reads raw "
                         "logits; use xent='logits'")
+
+  def _check_mla(self):
+    names = ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim")
+    for name in names:
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 0:
+        raise ConfigError(f"model.{name} must be an integer >= 0, got {v!r}")
+    if not self.kv_lora_rank:
+      extra = [n for n in names[1:] if getattr(self, n)]
+      if extra:
+        raise ConfigError(f"model.{extra[0]}={getattr(self, extra[0])} is a multi-head latent "
+                          "attention setting: set model.kv_lora_rank > 0")
+      return
+    if not self.rope_head_dim or self.rope_head_dim % 2 or self.position != "rope":
+      raise ConfigError(f"latent attention (model.kv_lora_rank={self.kv_lora_rank}) needs an "
+                        f"even model.rope_head_dim > 0 and position='rope', got "
+                        f"{self.rope_head_dim!r}, {self.position!r}")
+    if self.num_kv_heads != self.num_heads:
+      raise ConfigError(f"latent attention gives every head its own key and value: model."
+                        f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads}")
+    clash = [n for n in ("use_bias", "qkv_bias", "qk_norm", "qk_norm_full", "sliding_window",
+                         "layer_pattern", "attn_softcap") if getattr(self, n)]
+    if clash or self.arch != "decoder":
+      raise ConfigError(f"latent attention (model.kv_lora_rank) is for arch='decoder' without "
+                        f"{clash or ['arch=' + repr(self.arch)]}")
 
   def local_layer(self, i: int) -> bool:
     """Whether layer i attends within the sliding window (all layers, without a pattern)."""
@@ -238,7 +288,40 @@ class ModelConfig:
 
   @property
   def scale(self) -> float:
-    return self.attention_scale or self.head_dim ** -0.5
+    return self.attention_scale or (self.head_dim + self.rope_head_dim) ** -0.5
+
+  @property
+  def mla(self) -> bool:
+    """Multi-head latent attention (models/mla.py)."""
+    return self.kv_lora_rank > 0
+
+  @property
+  def value_dim(self) -> int:
+    """A head's value width."""
+    return self.v_head_dim or self.head_dim
+
+  @property
+  def cache_dims(self) -> tuple[int, int, int]:
+    """(heads, key width, value width) of a KV cache entry: (num_kv_heads, head_dim, head_dim),
+    or for latent attention (1, kv_lora_rank + rope_head_dim, 0): one latent "head" whose first
+    kv_lora_rank features are also its value (`latent_values`), so no value is stored."""
+    if self.mla:
+      return 1, self.kv_lora_rank + self.rope_head_dim, 0
+    return self.num_kv_heads, self.head_dim, self.head_dim
+
+  @property
+  def latent_values(self) -> int:
+    """Latent attention: the cached key's first features that are the value (0: values are
+    cached themselves). models.attention.attention's `value_dims`."""
+    return self.kv_lora_rank
+
+  @property
+  def dense_config(self) -> "ModelConfig":
+    """The config of the first_dense_layers blocks: a dense MLP of dense_mlp_dim."""
+    return dataclasses.replace(
+        self, num_experts=0, mlp_dim=self.dense_mlp_dim or self.mlp_dim, first_dense_layers=0,
+        dense_mlp_dim=0, shared_mlp_dim=0, shared_gate=False, router_bias_rate=0.0,
+        router_score="softmax", router_groups=0, router_group_topk=0, routed_scale=1.0)
 
   def _check_moe(self):
     e, k = self.num_experts, self.top_k
@@ -259,9 +342,29 @@ class ModelConfig:
     if self.mlp_activation != "swiglu" or self.use_bias:
       raise ConfigError(f"MoE experts are SwiGLU without biases; model.mlp_activation="
                         f"{self.mlp_activation!r}, use_bias={self.use_bias} with num_experts={e}")
-    for name in ("aux_loss_weight", "z_loss_weight", "router_bias_rate", "shared_mlp_dim"):
+    for name in ("aux_loss_weight", "z_loss_weight", "router_bias_rate", "shared_mlp_dim",
+                 "dense_mlp_dim", "router_groups", "router_group_topk"):
       if getattr(self, name) < 0:
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be >= 0")
+    if self.router_score not in ROUTER_SCORES:
+      raise ConfigError(f"model.router_score={self.router_score!r}; choose one of "
+                        f"{ROUTER_SCORES}")
+    if not self.routed_scale > 0:
+      raise ConfigError(f"model.routed_scale={self.routed_scale!r} must be > 0")
+    if not isinstance(self.first_dense_layers, int) or not (
+        0 <= self.first_dense_layers < self.num_layers):
+      raise ConfigError(f"model.first_dense_layers={self.first_dense_layers!r} must be an "
+                        f"integer in [0, num_layers={self.num_layers}): at least one block "
+                        "keeps its experts")
+    g, gk = self.router_groups, self.router_group_topk
+    if g > 1 or gk:
+      # sigmoid scores rank a group by its best two experts, softmax ones by its best one
+      per = 2 if self.router_score == "sigmoid" else 1
+      if g < 2 or e % g or e // g < per or not 1 <= gk <= g or k > gk * (e // g):
+        raise ConfigError(
+            f"model.router_groups={g}, router_group_topk={gk}: want groups dividing "
+            f"num_experts={e} into groups of at least {per}, 1 <= router_group_topk <= groups, "
+            f"and top_k={k} experts within the chosen groups")
 
   @property
   def jnp_param_dtype(self):
@@ -330,6 +433,10 @@ class ModelConfig:
                        f"model's arrays with models.param_count(cfg)")
     d, h = self.d_model, self.head_dim
     attn = d * h * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * h * d
+    if self.mla:
+      n, r, c, q = self.num_heads, self.rope_head_dim, self.kv_lora_rank, self.q_lora_rank
+      attn = ((d * q + q + q * n * (h + r)) if q else d * n * (h + r)) + d * (c + r) + c
+      attn += c * n * (h + self.value_dim) + n * self.value_dim * d
     if self.qkv_bias:
       attn += h * (self.num_heads + 2 * self.num_kv_heads)
     if self.qk_norm:
@@ -338,6 +445,9 @@ class ModelConfig:
       attn += (self.num_heads + self.num_kv_heads) * h
     per_layer = attn + self.mlp_params(active) + (4 if self.sandwich_norms else 2) * d
     n = self.num_layers * per_layer + d
+    if self.first_dense_layers:  # those blocks' dense MLP in place of the experts
+      dense = self.dense_config
+      n += self.first_dense_layers * (dense.mlp_params() - self.mlp_params(active))
     if include_embedding:
       n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
     elif not self.tie_embeddings:

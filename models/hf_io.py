@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from models.config import ModelConfig
 # Re-exported: models.pretrained, models.gguf_quant and models.hf_bert reach them through hf_io.
-from models.families import (FLAT, config_from_hf, config_to_hf, family_of,  # noqa: F401
-                             lookup_name, name_table)
+from models.families import (FLAT, PerHead, config_from_hf, config_to_hf,  # noqa: F401
+                             family_of, layer_offset, lookup_name, name_table)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -110,14 +110,16 @@ class TensorReader:
                        f"but the config implies {want}")
     return (w.T if n_in > 0 else w).reshape(shape)
 
-  def stacked(self, template: str, shape: tuple, n_in: int, dtype) -> np.ndarray:
+  def stacked(self, template: str, shape: tuple, n_in: int, dtype, offset: int = 0) -> np.ndarray:
     """One array from tensors `template.format(i, ...)`, one per leading index of `shape`
-    (a `{}` in the template per axis the file stores as separate tensors, e.g. layers).
-    Filled in place, so peak host memory stays about one copy of the weights."""
+    (a `{}` in the template per axis the file stores as separate tensors, e.g. layers; the
+    first index counted from `offset`). Filled in place, so peak host memory stays about one
+    copy of the weights."""
     stacked = template.count("{")
     arr = np.empty(shape, dtype)
     for index in np.ndindex(*shape[:stacked]):
-      arr[index] = self.fetch(template.format(*index), shape[stacked:], n_in)
+      name = template.format(index[0] + offset, *index[1:]) if stacked else template
+      arr[index] = self.fetch(name, shape[stacked:], n_in)
     return arr
 
   def unused(self, ignorable=()) -> list[str]:
@@ -135,7 +137,8 @@ def params_from_hf(cfg: ModelConfig, abstract_params, read: Callable[[str], np.n
   table, tensors, out = name_table(cfg), TensorReader(read, list(names)), {}
   for path, var in nnx.to_flat_state(abstract_params):
     template, n_in = lookup_name(table, path)
-    out[path] = tensors.stacked(template, tuple(var.get_value().shape), n_in, np_dtype)
+    out[path] = tensors.stacked(template, tuple(var.get_value().shape), n_in, np_dtype,
+                                layer_offset(cfg, path))
   ignorable = {n for n in tensors.files if n.endswith("rotary_emb.inv_freq")}
   if cfg.tie_embeddings:
     ignorable.add("lm_head.weight")  # some exporters save the tied copy anyway
@@ -152,17 +155,23 @@ def params_to_hf(model) -> dict[str, np.ndarray]:
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     arr = np.asarray(var.get_value())
     template, n_in = lookup_name(table, path)
+    offset = layer_offset(model.cfg, path)
     for index in np.ndindex(*arr.shape[:template.count("{")]):
       a = arr[index]
       if n_in == FLAT:
         a = a.reshape(-1)
       elif n_in:
         a = a.reshape(int(np.prod(a.shape[:n_in])), -1).T
-      tensors[template.format(*index)] = np.ascontiguousarray(a)
+      name = template.format(index[0] + offset, *index[1:]) if index else template
+      tensors[name] = np.ascontiguousarray(a)
   for i in range(model.cfg.num_layers):  # the parts of a fused tensor, rows in order
     for fused, parts in _fused_parts(model.cfg).items():
+      heads, parts = (parts.heads, parts.parts) if isinstance(parts, PerHead) else (1, parts)
       names = [f"model.layers.{i}.{part}" for part, _ in parts]
-      tensors[f"model.layers.{i}.{fused}"] = np.concatenate([tensors.pop(n) for n in names])
+      pieces = [tensors.pop(n) for n in names]
+      grouped = [p.reshape(heads, -1, *p.shape[1:]) for p in pieces]
+      tensors[f"model.layers.{i}.{fused}"] = np.concatenate(grouped, axis=1).reshape(
+          -1, *pieces[0].shape[1:])
   return tensors
 
 
@@ -177,22 +186,29 @@ def _split_fused(cfg: ModelConfig, read: Callable, names: Iterable[str]):
   if not fused:
     return read, names
   pattern = re.compile(r"model\.layers\.(\d+)\.(" + "|".join(map(re.escape, fused)) + ")")
-  virtual, rest = {}, []  # part name -> (fused name, its rows)
+  virtual, rest = {}, []  # part name -> (fused name, heads, its rows within a head's)
   for name in names:
     m = pattern.fullmatch(name)
     if not m:
       rest.append(name)
       continue
+    parts = fused[m[2]]
+    heads, parts = (parts.heads, parts.parts) if isinstance(parts, PerHead) else (1, parts)
     start = 0
-    for part, rows in fused[m[2]]:
-      virtual[f"model.layers.{m[1]}.{part}"] = (name, slice(start, start + rows))
+    for part, rows in parts:
+      virtual[f"model.layers.{m[1]}.{part}"] = (name, heads, slice(start, start + rows))
       start += rows
 
   def read_part(name):
     if name not in virtual:
       return read(name)
-    source, rows = virtual[name]
-    return read(source)[rows]
+    source, heads, rows = virtual[name]
+    w = read(source)
+    if w.shape[0] % heads:
+      raise ValueError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, not a multiple "
+                       f"of its {heads} heads")
+    part = w.reshape(heads, -1, *w.shape[1:])[:, rows]
+    return part.reshape(-1, *w.shape[1:])
 
   return read_part, rest + list(virtual)
 

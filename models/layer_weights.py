@@ -19,33 +19,42 @@ import jax
 from flax import nnx
 
 STACK = "blocks"  # the decoder stack's attribute in models/transformer.py
+DENSE_STACK = "dense_blocks"  # its first dense blocks, where a MoE decoder has some (DeepSeek)
 
 
 class LayerWeights(NamedTuple):
   """A model's state split for unrolled decoding (a pytree: a jit argument like any state)."""
-  rest: nnx.State                 # every parameter outside the stack
+  rest: nnx.State                 # every parameter outside the stacks
   layers: tuple[nnx.State, ...]   # the stack's, one state per layer (no leading axis)
+  dense: tuple[nnx.State, ...] = ()  # the dense stack's, likewise
+
+
+def _split(stack) -> tuple:
+  n = jax.tree.leaves(stack)[0].shape[0]
+  return tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n))
 
 
 def unstack(state: nnx.State) -> LayerWeights:
-  """Copies each layer's parameters out of the stack once (outside jit)."""
+  """Copies each layer's parameters out of the stacks once (outside jit)."""
   if STACK not in state:
     raise ValueError(f"unstack: the state has no {STACK!r} stack (keys {sorted(state.keys())})")
-  rest = nnx.State({k: v for k, v in state.items() if k != STACK})
-  stack = state[STACK]
-  n = jax.tree.leaves(stack)[0].shape[0]
-  return LayerWeights(rest, tuple(jax.tree.map(lambda a, i=i: a[i], stack) for i in range(n)))
+  rest = nnx.State({k: v for k, v in state.items() if k not in (STACK, DENSE_STACK)})
+  dense = _split(state[DENSE_STACK]) if DENSE_STACK in state else ()
+  return LayerWeights(rest, _split(state[STACK]), dense)
 
 
 def merge(graphdef, weights):
-  """The model from a state, or from LayerWeights with `blocks` a list of per-layer Blocks."""
+  """The model from a state, or from LayerWeights with its stacks lists of per-layer Blocks."""
   if not isinstance(weights, LayerWeights):
     return nnx.merge(graphdef, weights)
-  n = len(weights.layers)
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), weights.layers[0])
-  model = nnx.merge(graphdef, nnx.State({**dict(weights.rest.items()), STACK: shapes}))
-  block_def = nnx.graphdef(getattr(model, STACK))
-  setattr(model, STACK, [nnx.merge(block_def, layer) for layer in weights.layers])
+  stacks = {STACK: weights.layers, **({DENSE_STACK: weights.dense} if weights.dense else {})}
+  shapes = {name: jax.tree.map(lambda a, n=len(layers): jax.ShapeDtypeStruct((n, *a.shape),
+                                                                             a.dtype), layers[0])
+            for name, layers in stacks.items()}
+  model = nnx.merge(graphdef, nnx.State({**dict(weights.rest.items()), **shapes}))
+  for name, layers in stacks.items():
+    block_def = nnx.graphdef(getattr(model, name))
+    setattr(model, name, [nnx.merge(block_def, layer) for layer in layers])
   return model
 
 

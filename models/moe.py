@@ -33,20 +33,48 @@ def _top_k_indices(scores_BTE, k: int):
   return jnp.argsort(scores_BTE, axis=-1, descending=True, stable=True)[..., :k].astype(jnp.int32)
 
 
-def route(logits_BTE, bias_E, k: int, norm: str):
+def route(logits_BTE, bias_E, k: int, norm: str, score: str = "softmax", groups: int = 0,
+          group_topk: int = 0, scale: float = 1.0):
   """(expert_BTO, weight_BTO, probs_BTE): top-k choice in float32.
 
-  `bias_E` (auxiliary-loss-free balancing) shifts which experts are chosen,
-  never the weights they get. norm="topk" renormalises the chosen
-  probabilities (Mixtral: softmax over the chosen k); "all" keeps them.
+  Scores are a softmax over the experts, or each expert's sigmoid (`score`, DeepSeek-V3).
+  `bias_E` (auxiliary-loss-free balancing) shifts which experts are chosen, never the
+  weights they get. With `groups` > 1 the experts form equal groups and a token chooses only
+  within its `group_topk` best (DeepSeek's group-limited routing: a group ranks by its best
+  two biased sigmoid scores, or its best softmax score). norm="topk" renormalises the chosen
+  scores (Mixtral: softmax over the chosen k); "all" keeps them; `scale` multiplies them.
+  probs_BTE (the statistics' router probabilities) are the scores over their sum.
   """
-  probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-  scores_BTE = probs_BTE if bias_E is None else probs_BTE + jax.lax.stop_gradient(bias_E)
-  expert_BTO = _top_k_indices(scores_BTE, k)
-  weight_BTO = jnp.take_along_axis(probs_BTE, expert_BTO, axis=-1)
+  if score == "sigmoid":
+    scores_BTE = jax.nn.sigmoid(logits_BTE)
+    probs_BTE = scores_BTE / jnp.sum(scores_BTE, axis=-1, keepdims=True)
+  else:
+    scores_BTE = probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
+  choice_BTE = scores_BTE if bias_E is None else scores_BTE + jax.lax.stop_gradient(bias_E)
+  if groups > 1:
+    choice_BTE = _within_best_groups(choice_BTE, groups, group_topk, score)
+  expert_BTO = _top_k_indices(jax.lax.stop_gradient(choice_BTE), k)
+  weight_BTO = jnp.take_along_axis(scores_BTE, expert_BTO, axis=-1)
   if norm == "topk":
-    weight_BTO = weight_BTO / jnp.sum(weight_BTO, axis=-1, keepdims=True)
+    # DeepSeek-V3 adds 1e-20: sigmoid scores can all be tiny; softmax ones sum to > 0
+    eps = 1e-20 if score == "sigmoid" else 0.0
+    weight_BTO = weight_BTO / (jnp.sum(weight_BTO, axis=-1, keepdims=True) + eps)
+  if scale != 1.0:
+    weight_BTO = weight_BTO * scale
   return expert_BTO, weight_BTO, probs_BTE
+
+
+def _within_best_groups(choice_BTE, groups: int, group_topk: int, score: str):
+  """choice_BTE with the experts outside each token's best `group_topk` groups at -inf."""
+  b, t, e = choice_BTE.shape
+  choice_BTGP = choice_BTE.reshape(b, t, groups, e // groups)
+  if score == "sigmoid":
+    rank_BTG = jnp.sum(jax.lax.top_k(choice_BTGP, 2)[0], axis=-1)
+  else:
+    rank_BTG = jnp.max(choice_BTGP, axis=-1)
+  best_BTJ = _top_k_indices(rank_BTG, group_topk)
+  keep_BTG = jnp.any(jax.nn.one_hot(best_BTJ, groups, dtype=bool), axis=-2)
+  return jnp.where(keep_BTG[..., None], choice_BTGP, -jnp.inf).reshape(b, t, e)
 
 
 def router_stats(logits_BTE, probs_BTE, expert_BTO, dropped_BTO, mask_BT):
@@ -89,7 +117,7 @@ class MoE(nnx.Module):
     self.up_EDF = normal_param(rngs, (e, d, f), ("experts", "embed", "mlp"), cfg, cfg.init_std)
     self.down_EFD = normal_param(rngs, (e, f, d), ("experts", "mlp", "embed"), cfg, cfg.init_std)
     if cfg.shared_mlp_dim:
-      self.shared = MLP(dataclasses.replace(cfg, mlp_dim=cfg.shared_mlp_dim, num_experts=0), rngs)
+      self.shared = MLP(dataclasses.replace(cfg.dense_config, mlp_dim=cfg.shared_mlp_dim), rngs)
     if cfg.shared_gate:  # Qwen2-MoE: the shared expert's output times sigmoid(x·w)
       self.shared_gate_D1 = normal_param(rngs, (d, 1), ("embed", None), cfg, cfg.init_std)
 
@@ -105,7 +133,9 @@ class MoE(nnx.Module):
     logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
                             self.router_DE[...].astype(jnp.float32))
     bias_E = self.router_bias_E[...] if cfg.router_bias_rate else None
-    expert_BTO, weight_BTO, probs_BTE = route(logits_BTE, bias_E, cfg.top_k, cfg.router_norm)
+    expert_BTO, weight_BTO, probs_BTE = route(
+        logits_BTE, bias_E, cfg.top_k, cfg.router_norm, cfg.router_score, cfg.router_groups,
+        cfg.router_group_topk, cfg.routed_scale)
     w = (self.gate_EDF[...], self.up_EDF[...], self.down_EFD[...])
     mask_BT = (jnp.ones(x_BTD.shape[:2], bool) if segment_ids_BT is None
                else segment_ids_BT > 0)

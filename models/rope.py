@@ -94,8 +94,9 @@ def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
 
 
 def apply(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
-          scaling: RopeScaling = RopeScaling()) -> jax.Array:
-  """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama."""
+          scaling: RopeScaling = RopeScaling(), interleaved: bool = False) -> jax.Array:
+  """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama, or with
+  `interleaved` pairs (x0, x1), (x2, x3), ... each rotated by one frequency (DeepSeek's)."""
   h = x_BTNH.shape[-1]
   if scaling.kind == "default":  # computed in JAX as always: the parity goldens stay bitwise
     inv_freq, scale = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
@@ -106,6 +107,10 @@ def apply(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
   if scale != 1.0:
     sin, cos = sin * scale, cos * scale
   x = x_BTNH.astype(jnp.float32)
+  if interleaved:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    return out.astype(x_BTNH.dtype)
   x1, x2 = x[..., : h // 2], x[..., h // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTNH.dtype)

@@ -6,6 +6,7 @@ attend to each other both ways, encoder-style, and generates causally after
 them; arch="decoder" ignores no input and is causal throughout.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -29,7 +30,9 @@ class Transformer(Embeddings):
     self._init_embeddings(cfg, rngs)
     if cfg.position == "relative":
       self.rel_bias = RelativePositionBias(cfg, rngs, bidirectional=False)
-    self.blocks = make_stack(cfg, rngs, cfg.num_layers)
+    if cfg.first_dense_layers:  # DeepSeek: the first k blocks dense, a stack of their own
+      self.dense_blocks = make_stack(cfg.dense_config, rngs, cfg.first_dense_layers)
+    self.blocks = make_stack(cfg, rngs, cfg.num_layers - cfg.first_dense_layers)
     if cfg.norm_position == "pre":  # post-norm blocks end normalised already
       self.final_norm = Norm(cfg)
     self._init_unembed(cfg, rngs)
@@ -52,8 +55,12 @@ class Transformer(Embeddings):
     if positions_BT is None:
       positions_BT = default_positions(tokens_BT)
     x_BTD = self.embed(tokens_BT, positions_BT)
+    k = cfg.first_dense_layers
+    if k:
+      x_BTD, _ = run_stack(self.dense_blocks, cfg.dense_config, x_BTD, positions_BT,
+                           segment_ids_BT, prefix_BT, bias_fn=self.bias_fn())
     x_BTD, stats = run_stack(self.blocks, cfg, x_BTD, positions_BT, segment_ids_BT, prefix_BT,
-                             bias_fn=self.bias_fn())
+                             bias_fn=self.bias_fn(), first_layer=k)
     x_BTD = self.final_hidden(x_BTD)
     return (x_BTD, stats) if return_stats else x_BTD
 
@@ -69,8 +76,18 @@ class Transformer(Embeddings):
     unstacked them; pipelines are for training.
     """
     x_BTD = self.embed(tokens_BT, positions_BT)
-    x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
-                                       layers_cache, cache, bias_fn=self.bias_fn())
+    k = self.cfg.first_dense_layers
+    if k:  # each stack its own layers of the cache
+      part = lambda lo, hi: jax.tree.map(lambda a: a[lo:hi], layers_cache)  # noqa: E731
+      x_BTD, dense_cache = decode_stack(self.dense_blocks, x_BTD, positions_BT, segment_ids_BT,
+                                        part(0, k), cache, bias_fn=self.bias_fn())
+      x_BTD, rest_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
+                                       part(k, None), cache, bias_fn=self.bias_fn(),
+                                       first_layer=k)
+      layers_cache = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), dense_cache, rest_cache)
+    else:
+      x_BTD, layers_cache = decode_stack(self.blocks, x_BTD, positions_BT, segment_ids_BT,
+                                         layers_cache, cache, bias_fn=self.bias_fn())
     if last_B is None:
       return self.logits(x_BTD), layers_cache
     x_B1D = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)

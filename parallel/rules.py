@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "q_lora",
+              "kv_lora")
 ACTIVATION_AXES = ("act_batch", "act_seq", "act_res_seq", "act_embed", "act_heads",
                    "act_kv_heads", "act_mlp", "act_vocab")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES

@@ -5,19 +5,19 @@ writes the tensors by these names; docs/models.md lists what each family is chec
 from models.config import ModelConfig
 # Each module registers its family; Llama first, so errors list the families from it.
 from models.families import llama  # noqa: F401, I001
-from models.families import (gemma2, gemma3, mistral, mixtral, olmoe, phi3,  # noqa: F401
-                             qwen2, qwen2_moe, qwen3, qwen3_moe)
-from models.families.base import FLAT, REGISTRY, Family, common_hf, common_values
+from models.families import (deepseek, gemma2, gemma3, mistral, mixtral, olmoe,  # noqa: F401
+                             phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
+from models.families.base import FLAT, REGISTRY, Family, PerHead, common_hf, common_values
 
-__all__ = ["FLAT", "REGISTRY", "config_from_hf", "config_to_hf", "family_of", "lookup_name",
-           "name_table"]
+__all__ = ["FLAT", "REGISTRY", "PerHead", "config_from_hf", "config_to_hf", "family_of",
+           "layer_offset", "lookup_name", "name_table"]
 
 
 # The fields that tell the families apart, named when none (or several) claims a model.
 _TELLING = ("num_experts", "qkv_bias", "qk_norm", "qk_norm_full", "sliding_window",
             "mlp_activation", "attention_scale", "shared_mlp_dim", "shared_gate", "layer_pattern",
             "rope_local_theta", "attn_softcap", "final_softcap", "embed_scale", "norm_offset",
-            "sandwich_norms")
+            "sandwich_norms", "kv_lora_rank", "router_score", "first_dense_layers")
 
 
 def _supported() -> str:
@@ -75,11 +75,22 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def name_table(cfg: ModelConfig) -> dict:
-  """Our param path -> (HF name template, n_in) for this config's family."""
+  """Our param path -> (HF name template, n_in) for this config's family. A template's "{0}"
+  is the layer's index in its stack: `layer_offset` gives the HF index of the first."""
   family = family_of(cfg)
+  stacks = [("blocks", cfg)]
+  if cfg.first_dense_layers:
+    stacks.append(("dense_blocks", cfg.dense_config))
   return {**family.global_names,
-          **{("blocks", *path): ("model.layers.{0}." + name, n_in)
-             for path, (name, n_in) in family.layer_names(cfg).items()}}
+          **{(stack, *path): ("model.layers.{0}." + name, n_in)
+             for stack, stack_cfg in stacks
+             for path, (name, n_in) in family.layer_names(stack_cfg).items()}}
+
+
+def layer_offset(cfg: ModelConfig, path: tuple) -> int:
+  """The HF layer index of the first layer of param `path`'s stack: the MoE stack follows the
+  first_dense_layers dense blocks."""
+  return cfg.first_dense_layers if path[0] == "blocks" else 0
 
 
 def lookup_name(table: dict, path: tuple) -> tuple[str, int]:

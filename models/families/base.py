@@ -83,8 +83,16 @@ class Family:
   normalize: Callable[[dict, str], dict] | None = None
   # Tensors the family stores fused along their output rows (Phi-3's qkv_proj, gate_up_proj):
   # fused(cfg) -> {fused name after "model.layers.{0}.": [(part name, rows), ...]}, the parts
-  # being names in layer_names, in order.
+  # being names in layer_names, in order; or PerHead(n, parts): the parts' rows repeat per
+  # head (DeepSeek's kv_b_proj: each head's key rows, then its value rows).
   fused: Callable[[ModelConfig], dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PerHead:
+  """A fused tensor whose rows are `heads` groups, each holding every part's rows in order."""
+  heads: int
+  parts: list
 
 
 REGISTRY: dict[str, Family] = {}  # model_type -> Family, in registration order
@@ -175,7 +183,8 @@ def common_hf(cfg: ModelConfig, family: Family) -> dict:
 
 def dense_llama(cfg: ModelConfig) -> bool:
   """Exactly Llama's block (what the dense Llama-shaped families add to)."""
-  return cfg.plain_llama and not cfg.is_moe and not cfg.qk_norm_full and not cfg.shared_gate
+  return (cfg.plain_llama and not cfg.is_moe and not cfg.qk_norm_full and not cfg.shared_gate
+          and not cfg.mla)
 
 
 def fixed(cfg: ModelConfig, family: str, rules: dict) -> None:
@@ -217,4 +226,6 @@ def moe_hf(cfg: ModelConfig, hf: dict, family: str, ffn_key: str, rules: dict) -
 def routed(cfg: ModelConfig) -> bool:
   """A Llama-shaped decoder with routed experts and no sliding window (what the MoE families
   add to: none of them writes a window transformers would run)."""
-  return cfg.plain_llama and cfg.is_moe and not cfg.sliding_window
+  return (cfg.plain_llama and cfg.is_moe and not cfg.sliding_window and not cfg.mla
+          and not cfg.first_dense_layers and cfg.router_score == "softmax"
+          and not cfg.router_groups and cfg.routed_scale == 1.0)

@@ -27,6 +27,9 @@ CONTRACTS = {
     "wq_DNH": "D", "wk_DKH": "D", "wv_DKH": "D", "wo_NHD": "NH",
     "gate_DF": "D", "up_DF": "D", "down_FD": "F",
     "embed_VD": "D", "unembed_DV": "D",
+    # latent attention (models/mla.py); its per-head wk_b_CNH and wv_b_CNU stay float
+    "wq_DNX": "D", "wq_a_DQ": "D", "wq_b_QNX": "Q", "wkv_a_DC": "D", "wkr_DR": "D",
+    "wo_NUD": "NU",
 }
 
 
