@@ -80,7 +80,7 @@ FAMILIES = {
     # block dense; YaRN with mscale, so the 48-token prompts run past the 16 original positions.
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, kv_lora_rank=16,
-        q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True,

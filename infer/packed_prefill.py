@@ -38,7 +38,7 @@ class _Packed:
                          kv_segment_ids_BS=segment_ids_BT, q_positions_BT=positions_BT,
                          kv_positions_BS=positions_BT, causal=True,
                          sliding_window=window, impl=impl, scale=cfg.scale, bias_fn=bias_fn,
-                         softcap=cfg.attn_softcap, **tile)
+                         softcap=cfg.attn_softcap, value_dims=cfg.latent_values, **tile)
     return out_BTNH, (k_BTKH, v_BTKH)
 
 

@@ -40,7 +40,10 @@ STRATEGIES: dict[str, tuple[LogicalRules, LogicalRules]] = {
     "zero1": ((), (("embed", ("data", "fsdp")), ("vocab", ("data", "fsdp")))),
     # ZeRO-3: parameters (hence gradients and moments) sharded over `fsdp`,
     # gathered layer by layer in the forward and backward passes.
-    "fsdp": ((("embed", "fsdp"), ("vocab", "fsdp")), ()),
+    # Latent attention's query/key-value latents too: DeepSeek-V3's q_b_proj alone is 38M
+    # parameters a layer with no embed axis.
+    "fsdp": ((("embed", "fsdp"), ("vocab", "fsdp"), ("q_lora", "fsdp"), ("kv_lora", "fsdp")),
+             ()),
     # Megatron: column-parallel QKV/gate/up, row-parallel out/down, vocab-parallel logits.
     "tensor": ((("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
                 ("vocab", "tensor"), ("act_heads", "tensor"), ("act_kv_heads", "tensor"),

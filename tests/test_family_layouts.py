@@ -1,6 +1,7 @@
 """Golden shardings and collectives for each new family mechanism (tests/workers/
 family_layouts.py): soft-capping and local/global layers (Gemma 2), q/k norms with two RoPE
-bases (Gemma 3), a gated shared expert (Qwen2-MoE), a q/k norm across heads (OLMoE), each
+bases (Gemma 3), a gated shared expert (Qwen2-MoE), a q/k norm across heads (OLMoE), latent
+attention (DeepSeek) and DeepSeek-V3's grouped sigmoid routing with a dense first block, each
 compiled on 8 CPU devices, and its parameters after 10 steps equal to one device's.
 
 Regenerate after an intended change, and review the diff of tests/golden/families/:
@@ -16,7 +17,7 @@ from conftest import REPO, build_once, run_worker
 
 GOLDEN = os.path.join(REPO, "tests", "golden", "families")
 UPDATE = os.environ.get("MESHLM_UPDATE_GOLDEN") == "1"
-NAMES = ["gemma2", "gemma3", "qwen2_moe", "olmoe"]
+NAMES = ["gemma2", "gemma3", "qwen2_moe", "olmoe", "mla", "deepseek_moe"]
 
 
 @pytest.fixture(scope="module")

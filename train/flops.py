@@ -32,11 +32,24 @@ PEAK_FLOPS_BF16 = {
 }
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def _attention_projections(cfg: ModelConfig) -> int:
+  """Weights one token's attention projections use (latent attention: the expanded form it
+  trains in, models/mla.py)."""
   d, h, n, k = cfg.d_model, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-  projections = 2 * d * (n + 2 * k) * h + 2 * d * n * h  # q, k, v and the output
+  if not cfg.mla:
+    return d * (n + 2 * k) * h + d * n * h  # q, k, v and the output
+  r, c, q, u = cfg.rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.value_dim
+  queries = d * q + q * n * (h + r) if q else d * n * (h + r)
+  return queries + d * (c + r) + c * n * (h + u) + n * u * d
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  d, h, n = cfg.d_model, cfg.head_dim, cfg.num_heads
+  projections = 2 * _attention_projections(cfg)
   per_layer = 2 * cfg.mlp_params(active=True) + projections
-  full = 4 * seq_len * n * h  # one query's score and value matmuls over every key
+  # one query's score and value matmuls over every key (latent attention: keys H + R wide,
+  # values U)
+  full = 2 * seq_len * n * (2 * h if not cfg.mla else h + cfg.rope_head_dim + cfg.value_dim)
   unembed = 2 * d * cfg.vocab_size
   if cfg.arch == "encoder":
     forward = cfg.num_layers * (per_layer + full) + unembed
@@ -45,6 +58,9 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     forward = cfg.num_layers * (per_layer + full) + cfg.decoder_layers * decoder + unembed
   else:  # causal: half the score/value matmuls are masked (a prefix-LM's prompt is ignored)
     forward = cfg.num_layers * (per_layer + full / 2) + unembed
+    if cfg.first_dense_layers:  # those blocks' dense MLP in place of the routed experts
+      forward += 2 * cfg.first_dense_layers * (cfg.dense_config.mlp_params()
+                                               - cfg.mlp_params(active=True))
   return 3.0 * forward
 
 

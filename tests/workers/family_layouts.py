@@ -21,6 +21,8 @@ BASE = dict(vocab_size=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2
             tie_embeddings=False)
 GEMMA = dict(head_dim=16, mlp_activation="geglu", sandwich_norms=True, norm_offset=1.0,
              embed_scale=True, attention_scale=24 ** -0.5, sliding_window=8, layer_pattern="LG")
+MLA = dict(head_dim=16, kv_lora_rank=16, q_lora_rank=24, rope_head_dim=8, v_head_dim=12,
+           rope_interleaved=True)
 # name -> (layout, mesh, model): a dense mechanism under FSDP + tensor parallelism, an MoE one
 # under FSDP + expert parallelism.
 MECHANISMS = {
@@ -37,6 +39,17 @@ MECHANISMS = {
     # one q/k norm across all heads (OLMoE)
     "olmoe": ("fsdp+expert", dict(fsdp=2, expert=4),
               ModelConfig(**BASE, num_experts=8, top_k=2, router_norm="all", qk_norm_full=True)),
+    # multi-head latent attention with a query latent (DeepSeek-V3's attention)
+    "mla": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2),
+            ModelConfig(**{**BASE, "num_kv_heads": 4}, **MLA)),
+    # DeepSeek-V3's experts: sigmoid scores within the best groups, the balancing bias, routed
+    # scaling, a shared expert, the first block dense (its own stack)
+    "deepseek_moe": ("fsdp+expert", dict(fsdp=2, expert=4),
+                     ModelConfig(**{**BASE, "num_kv_heads": 4, "num_layers": 3}, **MLA,
+                                 num_experts=8, top_k=2, router_score="sigmoid",
+                                 router_groups=4, router_group_topk=2, router_bias_rate=1e-3,
+                                 routed_scale=2.5, shared_mlp_dim=32, first_dense_layers=1,
+                                 dense_mlp_dim=96)),
 }
 
 
