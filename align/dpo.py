@@ -39,6 +39,7 @@ REFERENCES = ("online", "cached")
 
 class DPOTask(AlignTask):
   name = "dpo"
+  trains_moe = True
 
   def __init__(self, config, workdir):
     super().__init__(config, workdir)
@@ -131,7 +132,8 @@ class DPOTask(AlignTask):
 
   def pair_terms(self, trainable, frozen, batch):
     joined = join_pairs(batch)
-    chosen_B, rejected_B = split_pairs(sequence_logps(self.policy(trainable, frozen), joined))
+    logps_2B, stats = sequence_logps(self.policy(trainable, frozen), joined, with_stats=True)
+    chosen_B, rejected_B = split_pairs(logps_2B)
     ref_chosen_B, ref_rejected_B = self.reference_logps(frozen, batch, joined)
     d = self.align.dpo
     lengths = split_pairs(response_lengths(joined)) if d.loss_type == "ipo" else (None, None)
@@ -140,6 +142,7 @@ class DPOTask(AlignTask):
                                label_smoothing=d.label_smoothing,
                                reference_free=d.reference_free, chosen_lengths_B=lengths[0],
                                rejected_lengths_B=lengths[1])
+    metrics = self.with_router_stats(metrics, stats)
     return loss_B, metrics, (chosen_B, rejected_B, ref_chosen_B, ref_rejected_B)
 
   def loss(self, trainable, frozen, batch):

@@ -29,19 +29,24 @@ def response_mask(batch):
   return mask_BT.astype(jnp.float32)
 
 
-def masked_token_logps(model, batch):
-  """token_logps_BT of `batch`'s targets under `model`, 0 where the mask is 0.
+def masked_token_logps(model, batch, *, with_stats=False):
+  """token_logps_BT of `batch`'s targets under `model`, 0 where the mask is 0; with
+  `with_stats`, (token_logps_BT, the MoE layers' router statistics: {} for a dense model).
 
   `where`, not a product: a masked position whose logit is inf/nan stays exactly 0."""
-  logits_BTV = model(batch["inputs"], batch["positions"], batch["segment_ids"],
-                     **model_inputs(model.cfg, batch))
+  logits_BTV, stats = model(batch["inputs"], batch["positions"], batch["segment_ids"],
+                            **model_inputs(model.cfg, batch), return_stats=True)
   mask_BT = response_mask(batch)
-  return jnp.where(mask_BT > 0, token_logps(logits_BTV, batch["targets"]), 0.0)
+  logps_BT = jnp.where(mask_BT > 0, token_logps(logits_BTV, batch["targets"]), 0.0)
+  return (logps_BT, stats) if with_stats else logps_BT
 
 
-def sequence_logps(model, batch):
-  """logps_B: each row's log-probability summed over its response tokens."""
-  return jnp.sum(masked_token_logps(model, batch), axis=-1)
+def sequence_logps(model, batch, *, with_stats=False):
+  """logps_B: each row's log-probability summed over its response tokens (with_stats: and
+  the router statistics, as masked_token_logps)."""
+  logps_BT, stats = masked_token_logps(model, batch, with_stats=True)
+  logps_B = jnp.sum(logps_BT, axis=-1)
+  return (logps_B, stats) if with_stats else logps_B
 
 
 def forward_logps(graphdef, params, batch):

@@ -9,10 +9,11 @@ orbax take it as is) is trained. `nnx.LoRA` does not apply: it wraps an
 `nnx.Linear` module, while our weights are einsum tensors (`wq_DNH`, `down_FD`)
 read by `models.layers.project`, so the delta is added to the tensors instead.
 
-A weight is viewed as a matrix from the letters after the last "_" of its name:
-a signature starting with D reads D and writes the rest (`wq_DNH`: K = D,
-M = N·H); any other reads all but the last letter and writes the last
-(`wo_NHD`: K = N·H, M = D). Leading dims beyond the signature (the stacked
+A weight is viewed as a matrix from the letters after the last "_" of its name: a
+projection reads the contraction letters models/quant/rules.py lists for it (`wq_b_QNX`:
+K = Q, M = N·X; latent attention's per-head `wk_b_CNH`/`wv_b_CNU` read C); otherwise a
+signature starting with D reads D and writes the rest (`wq_DNH`: K = D, M = N·H) and any
+other reads all but the last letter and writes the last (`wo_NHD`: K = N·H, M = D). Leading dims beyond the signature (the stacked
 `layers` axis) get an adapter each. Local letter key: K the flattened input,
 M the flattened output, R the rank, `...` the stacked leading dims.
 
@@ -26,9 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.quant.rules import CONTRACTS
+from train.defaults import LORA_TARGETS
+
 __all__ = ["DEFAULT_TARGETS", "init_lora", "merge_lora", "lora_param_count", "lora_shardings"]
 
-DEFAULT_TARGETS = ("wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD", "gate_DF", "up_DF", "down_FD")
+DEFAULT_TARGETS = tuple(LORA_TARGETS.split(","))
+# Input letters of weights that are not projections of the quantizer's (models/quant/rules.py).
+_INPUTS = {**CONTRACTS, "wk_b_CNH": "C", "wv_b_CNU": "C"}
 
 
 def _is_leaf(x) -> bool:
@@ -57,7 +63,7 @@ def _matrix_split(name: str, shape) -> tuple[tuple, int, int]:
     raise ValueError(f"LoRA target {name!r} with shape {tuple(shape)}: the letters after its "
                      "last '_' must name at least its last two dims")
   n_lead = len(shape) - len(sig)
-  n_in = 1 if sig[0] == "D" else len(sig) - 1
+  n_in = len(_INPUTS[name]) if name in _INPUTS else 1 if sig[0] == "D" else len(sig) - 1
   lead, dims = tuple(shape[:n_lead]), tuple(shape[n_lead:])
   return lead, math.prod(dims[:n_in]), math.prod(dims[n_in:])
 

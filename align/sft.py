@@ -15,20 +15,21 @@ from align.tasks import AlignTask
 class SFTTask(AlignTask):
   name = "sft"
   pairs = False
+  trains_moe = True
 
   def _nll(self, trainable, frozen, batch):
-    logp_BT = masked_token_logps(self.policy(trainable, frozen), batch)
-    return -jnp.sum(logp_BT), jnp.sum(response_mask(batch))
+    logp_BT, stats = masked_token_logps(self.policy(trainable, frozen), batch, with_stats=True)
+    return -jnp.sum(logp_BT), jnp.sum(response_mask(batch)), stats
 
   def loss(self, trainable, frozen, batch):
-    nll, n = self._nll(trainable, frozen, batch)
-    return nll / jnp.maximum(n, 1.0), {"tokens": n}
+    nll, n, stats = self._nll(trainable, frozen, batch)
+    return nll / jnp.maximum(n, 1.0), self.with_router_stats({"tokens": n}, stats)
 
   def loss_weight(self, batch):
     return jnp.sum(response_mask(batch))  # a token mean: microbatches weigh by their tokens
 
   def eval_sums(self, trainable, frozen, batch):
-    nll, n = self._nll(trainable, frozen, batch)
+    nll, n, _ = self._nll(trainable, frozen, batch)
     return {"loss": nll, "count": n}
 
   def finish_eval(self, out, n):

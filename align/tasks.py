@@ -29,6 +29,7 @@ from models import ConfigError
 from models.registry import create_model
 from train.optimizer import make_optimizer
 from train.state import assemble_state, state_shardings
+from train.step import ROUTER_STATS
 from train.task import jit_objective_step, to_global
 from train.workdir import MERGED, save_model
 
@@ -53,6 +54,8 @@ class AlignTask:
 
   name = ""
   pairs = True  # preference pairs (chosen_*/rejected_* rows) or packed SFT rows
+  trains_moe = False  # its loss hands the step an MoE policy's router statistics
+  moe_cfg = None  # set by init_state for an MoE policy
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, os.path.abspath(workdir)
@@ -136,9 +139,11 @@ class AlignTask:
     return jax.device_put(tree, parallel.logical_shardings(tree, mesh, layout.rules))
 
   def init_state(self, plan, tx, mesh, layout):
-    if plan.model_cfg.is_moe:
-      raise ConfigError("alignment tasks do not train mixture-of-experts models yet: their "
-                        "router losses and balancing biases are not applied (pretraining only)")
+    if plan.model_cfg.is_moe and not self.trains_moe:
+      raise ConfigError(f"align task {self.name!r} does not train mixture-of-experts models yet: "
+                        "its objective does not hand the step its router statistics (sft and "
+                        "dpo do)")
+    self.moe_cfg = plan.model_cfg if plan.model_cfg.is_moe else None
     params = self.place(self.initial_params(plan), mesh, layout)
     if self.rank:
       lora = init_lora(params, self.rank, jax.random.key(self.config.seed + 1),
@@ -204,7 +209,14 @@ class AlignTask:
 
   def step_fn(self, tx, schedule, shardings, frozen_shardings, batch_sh, inject_nan=False):
     return jit_objective_step(self.loss, tx, schedule, shardings, frozen_shardings, None,
-                              self.config.grad_accum, inject_nan, weight_fn=self.loss_weight)
+                              self.config.grad_accum, inject_nan, weight_fn=self.loss_weight,
+                              moe_cfg=self.moe_cfg)
+
+  @staticmethod
+  def with_router_stats(metrics: dict, stats) -> dict:
+    """metrics carrying an MoE policy's router statistics to the step (ROUTER_STATS), whose
+    losses it adds and whose balancing biases it moves; a dense policy's ({}) add nothing."""
+    return {**metrics, ROUTER_STATS: stats} if stats else metrics
 
   def eval_sums(self, trainable, frozen, batch) -> dict:
     """Per-batch sums for `evaluate`, with "count" the number of examples they sum over."""

@@ -51,7 +51,9 @@ def test_fresh_init_is_exactly_the_base(jitted):
   if jitted:  # a State that went through jit (as a train step hands it back)
     params = jax.jit(lambda p: p)(params)
   lora = init_lora(params, RANK, jax.random.key(0))
-  assert set(lora) == {f"blocks/{m}/{n}" for n in DEFAULT_TARGETS
+  gqa = ("wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD", "gate_DF", "up_DF", "down_FD")
+  assert set(gqa) < set(DEFAULT_TARGETS)  # the latent attention's are absent from this model
+  assert set(lora) == {f"blocks/{m}/{n}" for n in gqa
                        for m in (("attn",) if n.startswith("w") else ("mlp",))}
   wq = _leaf(params, "blocks/attn/wq_DNH")
   l, d, n, h = wq.shape
@@ -201,3 +203,20 @@ def test_shardings_replicated():
   assert all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
   placed = jax.device_put(lora, shardings)
   assert lora_param_count(placed) == lora_param_count(lora)
+
+
+def test_latent_attention_projections_get_adapters_of_their_own_shapes():
+  """DeepSeek's projections (models/mla.py) read their contraction letters: q_b_proj reads the
+  query latent Q and writes every head's H + R features."""
+  cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                    head_dim=8, mlp_dim=48, kv_lora_rank=16, q_lora_rank=12, rope_head_dim=4,
+                    v_head_dim=6)
+  params = nnx.state(create_model(cfg, nnx.Rngs(0)), nnx.Param)
+  lora = init_lora(params, RANK, jax.random.key(0))
+  shapes = {p: (v["a"].shape, v["b"].shape) for p, v in lora.items()}
+  assert shapes["blocks/attn/wq_b_QNX"] == ((2, 12, RANK), (2, RANK, 4 * 12))
+  assert shapes["blocks/attn/wk_b_CNH"] == ((2, 16, RANK), (2, RANK, 4 * 8))
+  assert shapes["blocks/attn/wo_NUD"] == ((2, 4 * 6, RANK), (2, RANK, 32))
+  assert {p.rsplit("/", 1)[1] for p in lora} == {
+      "wq_a_DQ", "wq_b_QNX", "wkv_a_DC", "wkr_DR", "wk_b_CNH", "wv_b_CNU", "wo_NUD", "gate_DF",
+      "up_DF", "down_FD"}

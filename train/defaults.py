@@ -8,6 +8,11 @@ from ml_collections import ConfigDict
 
 from models import ModelConfig
 
+# LoRA's default targets: attention and dense MLP projections, and latent attention's
+# (models/mla.py) where a model has it (align/lora.py).
+LORA_TARGETS = ("wq_DNH,wk_DKH,wv_DKH,wo_NHD,gate_DF,up_DF,down_FD,"
+                "wq_DNX,wq_a_DQ,wq_b_QNX,wkv_a_DC,wkr_DR,wk_b_CNH,wv_b_CNU,wo_NUD")
+
 
 def base_config() -> ConfigDict:
   c = ConfigDict()
@@ -67,7 +72,7 @@ def base_config() -> ConfigDict:
   c.align = ConfigDict()
   c.align.lora_rank = 0          # >0: train LoRA adapters on a frozen base (align/lora.py)
   c.align.lora_alpha = 16.0
-  c.align.lora_targets = "wq_DNH,wk_DKH,wv_DKH,wo_NHD,gate_DF,up_DF,down_FD"
+  c.align.lora_targets = LORA_TARGETS
   c.align.drop_turns = True      # pairs too long for seq_len drop their oldest turns first
   c.align.max_skipped_fraction = 0.5  # refuse data of which more than this is bad
   c.align.rm = ConfigDict(dict(head_std=0.02, center_coef=0.0))

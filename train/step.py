@@ -131,32 +131,52 @@ def microbatches(batch, grad_accum: int):
                       batch)
 
 
+# The metrics key under which an objective hands `objective_step` its policy's MoE router
+# statistics (models/moe.py), so that the step adds the router losses to what it
+# differentiates and moves the balancing biases, as train_step does for language modelling.
+ROUTER_STATS = "router_stats"
+
+
 def objective_step(state, batch, frozen, *, loss_fn, tx, schedule, grad_accum: int = 1,
-                   inject_nan: bool = False, weight_fn=None):
+                   inject_nan: bool = False, weight_fn=None, moe_cfg=None):
   """One optimizer update on `loss_fn(params, frozen, batch) -> (loss, metrics)`, a mean over
   the batch. Gradient accumulation weights microbatch k by weight_fn(mb_k) / weight_fn(batch)
   (e.g. token counts, for a token mean; None: equally, for a mean over equal-sized row
-  groups), so the update equals the whole batch's. `frozen` gets no gradient."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  groups), so the update equals the whole batch's. `frozen` gets no gradient. Router
+  statistics in metrics[ROUTER_STATS] add `moe_cfg`'s router losses and bias updates."""
+
+  def objective(params, frozen, batch):
+    loss, aux = loss_fn(params, frozen, batch)
+    stats = aux.pop(ROUTER_STATS, {}) if isinstance(aux, dict) else {}
+    if stats and moe_cfg is None:
+      raise ValueError("objective_step: the loss returned router statistics but no moe_cfg "
+                       "says how to weigh them")
+    total = loss + moe.router_loss(moe_cfg, stats) if stats else loss
+    return total, (loss, aux, stats)
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
   params = state["params"]
   if grad_accum == 1:
-    (loss, aux), grads = grad_fn(params, frozen, batch)
+    (_, (loss, aux, stats)), grads = grad_fn(params, frozen, batch)
   else:
     micro = microbatches(batch, grad_accum)
     total_weight = None if weight_fn is None else jnp.maximum(weight_fn(batch), 1e-9)
 
     def accumulate(carry, mb):
-      (l, a), g = grad_fn(params, frozen, mb)
+      (_, (l, a, st)), g = grad_fn(params, frozen, mb)
       w = 1.0 / grad_accum if weight_fn is None else weight_fn(mb) / total_weight
-      return jax.tree.map(lambda c, x: c + w * x, carry, (l, a, g)), None
+      return jax.tree.map(lambda c, x: c + w * x, carry, (l, a, st, g)), None
 
-    zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-        lambda: loss_fn(params, frozen, jax.tree.map(lambda x: x[0], micro))[1]))
-    init = (jnp.zeros((), jnp.float32), zero_aux, jax.tree.map(jnp.zeros_like, params))
-    (loss, aux, grads), _ = jax.lax.scan(accumulate, init, micro)
-  new_state, metrics = apply_gradients(state, grads, loss, tx=tx, schedule=schedule,
-                                       inject_nan=inject_nan)
-  return new_state, {**aux, **metrics}
+    zero = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    _, (_, aux_shape, stats_shape) = jax.eval_shape(
+        lambda: objective(params, frozen, jax.tree.map(lambda x: x[0], micro)))
+    init = (jnp.zeros((), jnp.float32), zero(aux_shape), zero(stats_shape),
+            jax.tree.map(jnp.zeros_like, params))
+    (loss, aux, stats, grads), _ = jax.lax.scan(accumulate, init, micro)
+  new_state, metrics = apply_gradients(
+      state, grads, loss, tx=tx, schedule=schedule, inject_nan=inject_nan,
+      adjust=lambda new: moe.update_router_bias(moe_cfg, new, params, stats))
+  return new_state, {**aux, **metrics, **moe.router_metrics(moe_cfg, stats)}
 
 
 def eval_step(params, batch, *, graphdef):

@@ -117,10 +117,13 @@ def first(ds, n: int):
 
 
 def jit_objective_step(loss_fn, tx, schedule, shardings, frozen_shardings, batch_sh,
-                       grad_accum: int = 1, inject_nan: bool = False, weight_fn=None):
+                       grad_accum: int = 1, inject_nan: bool = False, weight_fn=None,
+                       moe_cfg=None):
   """step(state, batch, frozen) around `loss_fn(params, frozen, batch) -> (loss, metrics)`;
-  the state is donated, `frozen` is read only."""
+  the state is donated, `frozen` is read only. `moe_cfg`: the MoE policy's config, whose
+  router losses the step applies (train/step.py: ROUTER_STATS)."""
   step = functools.partial(step_lib.objective_step, loss_fn=loss_fn, tx=tx, schedule=schedule,
-                           grad_accum=grad_accum, inject_nan=inject_nan, weight_fn=weight_fn)
+                           grad_accum=grad_accum, inject_nan=inject_nan, weight_fn=weight_fn,
+                           moe_cfg=moe_cfg)
   return jax.jit(step, in_shardings=(shardings, batch_sh, frozen_shardings),
                  out_shardings=(shardings, None), donate_argnums=0)
