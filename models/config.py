@@ -50,6 +50,7 @@ class ModelConfig:
   rope_beta_fast: float = 32.0       # yarn
   rope_beta_slow: float = 1.0        # yarn
   rope_attention_factor: float = 0.0  # yarn: cos/sin scale (0: 0.1 ln(factor) + 1)
+  rope_freq_factors: tuple = ()      # factors: a divisor per frequency (a GGUF's rope_freqs)
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
@@ -126,6 +127,8 @@ class ModelConfig:
   num_classes: int = 0           # encoder: >0 adds a classification head
 
   def __post_init__(self):
+    # a list (from JSON) made a tuple: the config is hashed as a static jit argument
+    object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
       v = getattr(self, name)
       if not isinstance(v, int) or v <= 0:

@@ -1,23 +1,27 @@
-"""llama.cpp GGUF files: config from `llama.*` metadata, dequantized tensors, and the tokenizer.
+"""llama.cpp GGUF files: the config from an architecture's metadata, dequantized tensors under
+Hugging Face names, and the tokenizer (models/gguf_tokenizer.py).
 
-Tensors are served under Hugging Face names so models/hf_io.py does the layout
-conversion for both formats. llama.cpp's converter permutes the rows of the Q and K
-projections into the interleaved (GPT-J) RoPE layout; we undo that here so our
-half-split ("rotate_half") RoPE sees the original Hugging Face weights.
+A file's architecture (`general.architecture`: llama, qwen2, gemma2) maps to a Hugging Face
+family (models/families/): its metadata become that family's config.json keys and its
+tensors that family's names, so the family's mapping and models/hf_io.py's layout conversion
+serve both formats. What llama.cpp's converter changed is undone here: it permutes the rows
+of Llama's Q and K projections into interleaved (GPT-J) RoPE pairs, which we put back into
+halves for our half-split ("rotate_half") RoPE, and it stores Gemma's norm scales as 1 + w.
+Llama 3.1's RoPE scaling arrives as per-frequency divisors (rope_freqs.weight), which the
+model applies as given (rope scheme "factors").
 """
 
 import os
 import re
-import warnings
 
 import numpy as np
-import tokenizers
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 
 from models.config import ModelConfig
+from models.families import config_from_hf
+from models.gguf_tokenizer import field, tokenizer_from_gguf
 from models.tokenizer import Tokenizer
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q8_0)
@@ -31,6 +35,9 @@ _LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -38,25 +45,25 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Gemma 2's four norms a layer: llama.cpp's ffn_norm is the one before the MLP.
+_GEMMA2_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# GGUF architecture -> (Hugging Face architecture, model_type, per-layer names)
+ARCHS = {"llama": ("LlamaForCausalLM", "llama", _LAYER_NAMES),
+         "qwen2": ("Qwen2ForCausalLM", "qwen2", _LAYER_NAMES),
+         "gemma2": ("Gemma2ForCausalLM", "gemma2", _GEMMA2_NAMES)}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency divisors: config, not a weight
 
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as llama.cpp defines them.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT}
-_GPT2_PRES = ("gpt2", "default", "gpt-2")
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
-
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
   """Hugging Face name of a GGUF tensor; unknown names pass through (and are then rejected)."""
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
+  layer_names = ARCHS[arch][2]
   m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-  if m and m.group(2) in _LAYER_NAMES:
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+  if m and m.group(2) in layer_names:
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
   return gguf_name
 
 
@@ -73,24 +80,21 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-  field = reader.fields.get(key)
-  return default if field is None else field.contents()
-
-
 class GGUFTensors:
   """Dequantized float32 tensors of a GGUF file, read lazily under Hugging Face names."""
 
-  def __init__(self, reader: GGUFReader, cfg: ModelConfig):
-    self.cfg = cfg
-    self.tensors = {_hf_name(t.name): t for t in reader.tensors}
+  def __init__(self, reader: GGUFReader, cfg: ModelConfig, arch: str = "llama"):
+    self.cfg, self.arch = cfg, arch
+    self.tensors = {_hf_name(t.name, arch): t for t in reader.tensors if t.name != ROPE_FREQS}
 
   @property
   def names(self) -> list[str]:
     return list(self.tensors)
 
   def rope_heads(self, name: str) -> int | None:
-    """Heads whose rows llama.cpp permuted for RoPE (Q and K projections), else None."""
+    """Heads whose rows llama.cpp permuted for RoPE (Llama's Q and K projections), else None."""
+    if self.arch != "llama":  # llama.cpp runs Qwen2 and Gemma 2 with half-split RoPE
+      return None
     if name.endswith("q_proj.weight"):
       return self.cfg.num_heads
     if name.endswith("k_proj.weight"):
@@ -101,6 +105,8 @@ class GGUFTensors:
     t = self.tensors[name]
     shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims fastest-first
     w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+    if self.arch == "gemma2" and name.endswith("norm.weight"):
+      return w - 1.0  # llama.cpp's converter stored Gemma's 1 + w
     heads = self.rope_heads(name)
     return w if heads is None else unpermute_rope(w, heads)
 
@@ -114,20 +120,16 @@ def check_tensor_types(reader: GGUFReader, path: str) -> None:
 
 
 def config_from_gguf(reader: GGUFReader, path: str, **overrides) -> ModelConfig:
-  arch = _field(reader, "general.architecture")
-  if arch != "llama":
-    raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; only 'llama' is supported")
-  get = lambda key, default=None: _field(reader, f"llama.{key}", default)
+  """The ModelConfig of a GGUF file: its metadata as its family's config.json keys, read by
+  that family (models/families/), which refuses by name what it cannot run."""
+  arch = field(reader, "general.architecture")
+  if arch not in ARCHS:
+    raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; only {sorted(ARCHS)}")
+  get = lambda key, default=None: field(reader, f"{arch}.{key}", default)  # noqa: E731
   if get("expert_count", 0):
-    raise ValueError(f"{path}: mixture-of-experts llama (expert_count={get('expert_count')}) "
+    raise ValueError(f"{path}: mixture-of-experts {arch} (expert_count={get('expert_count')}) "
                      "is not supported")
   names = {t.name for t in reader.tensors}
-  scaling = get("rope.scaling.type", "none")
-  if scaling not in ("none", None) and not (scaling == "linear"
-                                            and get("rope.scaling.factor", 1.0) == 1.0):
-    raise ValueError(f"{path}: rope scaling {scaling!r} is not supported; only plain RoPE")
-  if "rope_freqs.weight" in names:
-    raise ValueError(f"{path}: rope_freqs.weight (llama3-style rope scaling) is not supported")
   d, heads = get("embedding_length"), get("attention.head_count")
   if not isinstance(heads, int):
     raise ValueError(f"{path}: per-layer head counts ({heads!r}) are not supported")
@@ -139,90 +141,64 @@ def config_from_gguf(reader: GGUFReader, path: str, **overrides) -> ModelConfig:
   embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
   vocab = (len(tokens.data) if tokens is not None else get("vocab_size")
            or (int(embed.shape[1]) if embed is not None else None))
-  values = dict(
-      vocab_size=vocab, d_model=d, num_layers=get("block_count"), num_heads=heads,
-      num_kv_heads=get("attention.head_count_kv") or heads, head_dim=head_dim,
-      mlp_dim=get("feed_forward_length"), rope_theta=float(get("rope.freq_base", 10000.0)),
-      norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-      tie_embeddings="output.weight" not in names,  # llama.cpp omits output.weight when tied
-      max_seq_len=get("context_length", 2048),
-      bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-      eos_id=_field(reader, "tokenizer.ggml.eos_token_id"))
-  values.update({k: v for k, v in overrides.items() if v is not None})
-  return ModelConfig(**values)
+  architecture, model_type, _ = ARCHS[arch]
+  hf = {"architectures": [architecture], "model_type": model_type, "vocab_size": vocab,
+        "hidden_size": d, "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv") or heads, "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": get("context_length", 2048),
+        # llama.cpp omits output.weight when the embeddings are tied
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id")}
+  hf.update(_ARCH_KEYS[arch](get, names, path, hf))
+  return config_from_hf(hf, source=path, **_rope_overrides(reader, get, names, path),
+                        **overrides)
 
 
-def _pre_tokenizer(pre: str | None):
-  if pre == "smollm":
-    # SmolLM's own tokenizer.json: every digit alone, then GPT-2 byte-level splitting.
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False)])
-  if pre in _SPLITS:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  if pre not in _GPT2_PRES and pre is not None:
-    warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known here; using GPT-2 splitting, "
-                  "which may tokenize some text differently from llama.cpp")
-  return pre_tokenizers.ByteLevel(add_prefix_space=False)
+def _llama_keys(get, names, path, hf) -> dict:
+  scaling = get("rope.scaling.type", "none")
+  if scaling in ("none", None):
+    return {}
+  if scaling == "linear":
+    return {"rope_scaling": {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}}
+  raise ValueError(f"{path}: rope scaling {scaling!r} is not supported; only linear, and "
+                   "Llama 3's rope_freqs")
 
 
-def tokenizer_from_gguf(reader: GGUFReader, path: str) -> Tokenizer:
-  """A byte-level BPE `tokenizers.Tokenizer` from the vocabulary embedded in the file."""
-  kind = _field(reader, "tokenizer.ggml.model")
-  if kind != "gpt2":
-    raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level "
-                     "BPE ('gpt2', as in SmolLM, Llama 3, Qwen) is")
-  tokens = _field(reader, "tokenizer.ggml.tokens")
-  if not tokens:
-    raise ValueError(f"{path}: no embedded vocabulary (tokenizer.ggml.tokens)")
-  types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-  alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-  to_bytes_chars = {b: c for b, c in enumerate(_byte_chars())}
-
-  def spell(token):
-    # Vocab entries are byte-level strings; one written in plain UTF-8 is re-spelled.
-    if set(token) <= alphabet:
-      return token
-    return "".join(to_bytes_chars[b] for b in token.encode("utf-8"))
-
-  vocab = {spell(t): i for i, t in enumerate(tokens)}
-  merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-  tok.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre"))
-  tok.decoder = decoders.ByteLevel()
-  bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-  add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-  if add_bos and bos_id is not None:
-    bos = tokens[bos_id]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-  else:
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-  # Control tokens (<|im_start|>) and user-defined ones must match whole, never be split.
-  # A "control" token outside the byte alphabet is a llama.cpp mislabel; adding it
-  # would grow the vocabulary, so it is skipped (as transformers does).
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet])
-  tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                  for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
-  return Tokenizer(tok, bos_id=bos_id, eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-                   pad_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-                   chat_template=_field(reader, "tokenizer.chat_template"), add_bos=add_bos)
+def _qwen2_keys(get, names, path, hf) -> dict:
+  if "blk.0.attn_q.bias" not in names:
+    raise ValueError(f"{path}: a qwen2 file without q/k/v biases (blk.0.attn_q.bias)")
+  return {"use_sliding_window": False, **_llama_keys(get, names, path, hf)}
 
 
-def _byte_chars() -> list[str]:
-  """GPT-2's byte -> printable character table (bytes_to_unicode), indexed by byte."""
-  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-               + list(range(ord("®"), ord("ÿ") + 1)))
-  chars, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      chars[b] = chr(b)
-    else:
-      chars[b] = chr(256 + extra)
-      extra += 1
-  return [chars[b] for b in range(256)]
+def _gemma2_keys(get, names, path, hf) -> dict:
+  # llama.cpp scales Gemma 2's queries by head_dim ** -0.5, but the 27B's (46 layers) by
+  # (hidden / heads) ** -0.5: the file does not say query_pre_attn_scalar, llama.cpp assumes it.
+  scalar = (hf["hidden_size"] // hf["num_attention_heads"] if hf["num_hidden_layers"] == 46
+            else hf["head_dim"])
+  window = get("attention.sliding_window") or 0
+  return {"query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
+          "attn_logit_softcapping": get("attn_logit_softcapping"),
+          "final_logit_softcapping": get("final_logit_softcapping"),
+          "sliding_window": window or None, "tie_word_embeddings": True,
+          "layer_types": [("sliding_attention" if window and i % 2 == 0 else "full_attention")
+                          for i in range(hf["num_hidden_layers"])]}
+
+
+_ARCH_KEYS = {"llama": _llama_keys, "qwen2": _qwen2_keys, "gemma2": _gemma2_keys}
+
+
+def _rope_overrides(reader: GGUFReader, get, names, path) -> dict:
+  """Llama 3.1's RoPE scaling as llama.cpp applies it: each frequency divided by its entry of
+  rope_freqs.weight (the converter computed them from the llama3 parameters)."""
+  if ROPE_FREQS not in names:
+    return {}
+  t = next(t for t in reader.tensors if t.name == ROPE_FREQS)
+  factors = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+  return {"rope_scaling": "factors", "rope_freq_factors": tuple(float(f) for f in factors)}
 
 
 class FastGGUFReader(GGUFReader):
@@ -259,8 +235,9 @@ def open_gguf(path: str) -> GGUFReader:
 
 
 def read_gguf(path: str, **overrides) -> tuple[ModelConfig, GGUFTensors, Tokenizer]:
-  """(config, lazily dequantized tensors under HF names, tokenizer) of a llama GGUF file."""
+  """(config, lazily dequantized tensors under HF names, tokenizer) of a GGUF file."""
   reader = open_gguf(path)
   check_tensor_types(reader, path)  # fail before any slow work
   cfg = config_from_gguf(reader, path, **overrides)
-  return cfg, GGUFTensors(reader, cfg), tokenizer_from_gguf(reader, path)
+  arch = field(reader, "general.architecture")
+  return cfg, GGUFTensors(reader, cfg, arch), tokenizer_from_gguf(reader, path)

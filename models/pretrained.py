@@ -11,7 +11,7 @@ import warnings
 
 from flax import nnx
 
-from models import gguf_io, gguf_quant, hf_bert, hf_io, hf_t5
+from models import gguf_io, gguf_quant, gguf_tokenizer, hf_bert, hf_io, hf_t5
 from models.config import ModelConfig
 from models.tokenizer import TOKENIZER_FILE, Tokenizer
 from models.registry import build_from_params
@@ -65,7 +65,8 @@ def _load_hf_dir(directory: str, mesh=None, **dtypes):
 
 def load_pretrained(path: str, *, dtype: str | None = None, param_dtype: str | None = None,
                     mesh=None, quantized: bool = False) -> tuple[nnx.Module, Tokenizer | None]:
-  """Loads a checkpoint: an HF directory (config.json + safetensors) or a Llama .gguf.
+  """Loads a checkpoint: an HF directory (config.json + safetensors) or a .gguf file of a llama,
+  qwen2 or gemma2 architecture (models/gguf_io.py).
 
   An HF directory's config.json `model_type` picks the model: "llama"/"mixtral" ->
   Transformer (models/hf_io.py), "bert" -> Encoder (models/hf_bert.py, sentence-
@@ -109,7 +110,7 @@ def load_pretrained_tokenizer(path: str) -> Tokenizer:
   if os.path.isdir(path):
     return Tokenizer.load(path)
   if _is_gguf(path):
-    return gguf_io.tokenizer_from_gguf(gguf_io.open_gguf(path), path)
+    return gguf_tokenizer.tokenizer_from_gguf(gguf_io.open_gguf(path), path)
   raise ValueError(f"{path!r} is neither a tokenizer/model directory nor a .gguf file")
 
 

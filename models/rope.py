@@ -6,6 +6,9 @@ loads: each scheme changes only the rotation frequencies (and, for YaRN, scales 
   llama3   Llama 3.1's: low frequencies / factor, high ones kept, a smooth ramp between
   yarn     YaRN: per-frequency blend of interpolated and original by a ramp over
            [beta_fast, beta_slow] rotations, cos and sin scaled by 0.1 ln(factor) + 1
+  factors  default / freq_factors, one divisor per frequency: what a GGUF file's
+           rope_freqs.weight holds (llama.cpp's converter computes Llama 3.1's llama3
+           scaling into it); no Hugging Face config.json says this
 
 The frequencies are a function of the config alone, computed once in numpy at trace time,
 as transformers' modeling_rope_utils computes them (the parity tests hold it to that).
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMES = ("default", "linear", "llama3", "yarn")
+SCHEMES = ("default", "linear", "llama3", "yarn", "factors")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,7 @@ class RopeScaling:
   beta_slow: float = 1.0             # yarn
   attention_factor: float = 0.0      # yarn: cos/sin scale; 0 derives it from factor
   truncate: bool = True              # yarn: round the ramp's ends to whole dimensions
+  freq_factors: tuple = ()           # factors: a divisor per frequency (head_dim / 2 of them)
 
   def check(self) -> str | None:
     """What is wrong with these parameters, or None."""
@@ -45,6 +49,10 @@ class RopeScaling:
       return f"rope scaling {self.kind!r} needs original_max_len > 0"
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       return "llama3 rope scaling needs high_freq_factor > low_freq_factor"
+    if (self.kind == "factors") != bool(self.freq_factors):
+      return "rope scaling 'factors' and freq_factors (rope_freq_factors) go together"
+    if self.freq_factors and not all(f > 0 for f in self.freq_factors):
+      return "rope freq_factors must all be > 0"
     return None
 
 
@@ -57,6 +65,11 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[np.n
     return inv_freq.astype(np.float32), 1.0
   if kind == "linear":
     return (inv_freq / scaling.factor).astype(np.float32), 1.0
+  if kind == "factors":
+    if len(scaling.freq_factors) != dim // 2:
+      raise ValueError(f"rope freq_factors has {len(scaling.freq_factors)} entries; a "
+                       f"{dim}-wide rotation has {dim // 2} frequencies")
+    return (inv_freq / np.asarray(scaling.freq_factors, np.float32)).astype(np.float32), 1.0
   if kind == "llama3":
     factor, old = scaling.factor, scaling.original_max_len
     low_wavelen = old / scaling.low_freq_factor
@@ -142,9 +155,9 @@ def from_hf(params: dict, source: str, max_position_embeddings: int | None) -> d
   """ModelConfig rope_* fields from a config.json's rope_parameters / rope_scaling dict;
   ValueError naming what cannot be run exactly."""
   kind = params.get("rope_type", params.get("type")) or "default"
-  if kind not in SCHEMES:
+  if kind not in SCHEMES or kind == "factors":  # factors: a GGUF file's, not a config.json's
     raise ValueError(f"{source}: rope scaling type {kind!r} is not supported; only "
-                     f"{', '.join(SCHEMES)}")
+                     f"{', '.join(SCHEMES[:-1])}")
   if params.get("partial_rotary_factor", 1.0) != 1.0:
     raise ValueError(f"{source}: partial_rotary_factor={params['partial_rotary_factor']} is "
                      "not supported (every head dimension rotates)")
@@ -167,6 +180,9 @@ def from_hf(params: dict, source: str, max_position_embeddings: int | None) -> d
 
 def to_hf(scaling: RopeScaling, theta: float) -> dict:
   """rope_parameters for a config.json (transformers 5; 4 reads it as rope_scaling)."""
+  if scaling.kind == "factors":
+    raise ValueError("rope scaling 'factors' (per-frequency divisors from a GGUF file's "
+                     "rope_freqs.weight) has no Hugging Face config.json form: cannot export")
   out = {"rope_type": scaling.kind, "rope_theta": theta}
   if scaling.kind == "default":
     return out

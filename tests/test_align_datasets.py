@@ -243,7 +243,9 @@ def test_iterator_state_round_trip(pairs, sft, kind, split):
 @pytest.fixture(scope="module")
 def smollm_tok():
   path = deps.smollm()
-  from models.gguf_io import GGUFReader, tokenizer_from_gguf
+  from gguf import GGUFReader
+
+  from models.gguf_tokenizer import tokenizer_from_gguf
   return tokenizer_from_gguf(GGUFReader(path), path)
 
 

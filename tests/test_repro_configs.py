@@ -81,7 +81,9 @@ def test_the_hh_split_is_decontaminated_with_500_held_out_pairs_that_fit():
   assert len(set(keys[0]) & set(keys[1])) == 3
   cfg = {"path": common.HH_PAIRS, "val_fraction": common.HH_VAL_FRACTION}
   assert len(list(DS.split_items(cfg, "train", DataReport()))) == 3899  # decontam passes
-  from models.gguf_io import GGUFReader, tokenizer_from_gguf
+  from gguf import GGUFReader
+
+  from models.gguf_tokenizer import tokenizer_from_gguf
   tok = tokenizer_from_gguf(GGUFReader(deps.smollm()), deps.smollm())
   for seq_len in {get_config(m, "smollm2").seq_len for m in ("rm", "dpo")}:
     pairs, report = DS.load_pair_split({**cfg, "max_len": seq_len}, tok, "validation")
