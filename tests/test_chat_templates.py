@@ -1,5 +1,5 @@
-"""Each family's real chat template (data/chat_templates/: Llama 3.1 and 3.2, Qwen2.5, Qwen3,
-Gemma 2, Mistral Nemo, Phi-3.5, as their repositories hold them) renders the same text with
+"""Each family's real chat template (data/chat_templates/: Llama 3.1 (3.3's is the same file) and 3.2,
+Qwen2.5, Qwen3, Gemma 2, Mistral Nemo, Phi-3.5, DeepSeek-V3.1, as their repositories hold them) renders the same text with
 meshlm's tokenizer (what `meshlm generate --chat`, `meshlm serve` and alignment data use) as
 with transformers' apply_chat_template, and refuses what it refuses."""
 
@@ -26,6 +26,7 @@ SPECIALS = {
     "google-gemma-2-2b-it.jinja": ("<bos>", "<eos>"),
     "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("<s>", "</s>"),
     "microsoft-Phi-3.5-mini-instruct.jinja": ("<s>", "<|end|>"),
+    "deepseek-ai-DeepSeek-V3.1.jinja": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
 }
 SYSTEM = {"role": "system", "content": "You are terse."}
 CONVERSATIONS = {
