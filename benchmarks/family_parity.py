@@ -94,6 +94,19 @@ FAMILIES = {
         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0),
+    # Phi-3-mini-128k's in small: longrope, short factors within 16 positions and long ones
+    # past them (the 48-token prompts, and the generations, cross the line), its cos/sin
+    # scale from 128 / 16.
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **COMMON, pad_token_id=0, original_max_position_embeddings=16,
+        rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
+                             short_factor=[1.0 + 0.05 * i for i in range(8)],
+                             long_factor=[1.0 + 0.9 * i for i in range(8)])),
+    # A Llama with dynamic NTK scaling: past 32 positions the base grows with the sequence
+    # (transformers' generate grows it token by token, as the Engine does).
+    "llama_dynamic": lambda: transformers.LlamaConfig(
+        **{**COMMON, "max_position_embeddings": 32},
+        rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
     # Llama-3.2-1B's in small: llama3 rope scaling, tied embeddings.
     "llama3.2": lambda: transformers.LlamaConfig(
         **COMMON, tie_word_embeddings=True,

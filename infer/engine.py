@@ -45,6 +45,7 @@ from flax import nnx
 
 import parallel
 from infer import kv_cache, packed_prefill
+from models import rope as rope_lib
 from models import layer_weights
 from infer.requests import Request, Result, Token, batch_of_requests, check_request, stop_ids
 from infer.sampling import RowParams, SamplingParams, mark_seen, sample
@@ -234,10 +235,11 @@ class Engine:
     tokens, since attention over the packed row computes (and masks) the scores between
     prompts too. Not where the mesh splits the batch: one packed row cannot be split, so
     every batch shard would compute the whole prefill. Nor where the packed row is longer
-    than a sliding window's ring (`slots`): its prompts are prefilled in pieces instead."""
+    than a sliding window's ring (`slots`): its prompts are prefilled in pieces instead. Nor
+    where RoPE depends on a row's length (dynamic, longrope): one packed row is one length."""
     total = sum(len(r.prompt_ids) for r in requests)
     if (self.arch != "decoder" or self.kv_dtype is not None or total > self.PACK_MAX
-        or parallel.shards_of("act_batch") > 1):
+        or parallel.shards_of("act_batch") > 1 or self.cfg.rope_scaling in rope_lib.BY_LENGTH):
       return None
     p = kv_cache.bucket(total, self.PACK_MAX)
     if p >= padded_tokens or (kv_cache.ring_slots(self.cfg) and p > slots):

@@ -216,7 +216,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
 
   No KV cache: every step runs the training forward pass on the whole buffer,
   rounded up to a multiple of 64 so one compilation serves many lengths
-  (causal masking makes the padding after the cursor inert).
+  (causal masking makes the padding after the cursor inert). Where RoPE depends on the
+  length (dynamic, longrope) every key is rotated afresh for the buffer's length each step,
+  which a cached decoder (infer.Engine, transformers' generate) does not do.
   """
   if not prompt_ids:
     raise ValueError("generate needs a non-empty prompt")

@@ -51,6 +51,8 @@ class ModelConfig:
   rope_beta_slow: float = 1.0        # yarn
   rope_attention_factor: float = 0.0  # yarn: cos/sin scale (0: 0.1 ln(factor) + 1)
   rope_freq_factors: tuple = ()      # factors: a divisor per frequency (a GGUF's rope_freqs)
+  rope_short_factors: tuple = ()     # longrope: divisors within rope_original_max_len
+  rope_long_factors: tuple = ()      # longrope: divisors past it
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_seq_len: int = 2048
@@ -128,7 +130,8 @@ class ModelConfig:
 
   def __post_init__(self):
     # a list (from JSON) made a tuple: the config is hashed as a static jit argument
-    object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
+    for name in ("rope_freq_factors", "rope_short_factors", "rope_long_factors"):
+      object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
       v = getattr(self, name)
       if not isinstance(v, int) or v <= 0:

@@ -117,11 +117,13 @@ def Norm(cfg: ModelConfig) -> RMSNorm:  # noqa: N802 (a module factory, used lik
   return LayerNorm(cfg) if cfg.norm == "layer" else RMSNorm(cfg)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, local=False) -> jax.Array:
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, local=False,
+         length_B=None) -> jax.Array:
   """Rotary embedding of `cfg` (its base and context-extension scheme: models/rope.py); a local
-  layer's (`local`: a bool, or traced in a layer scan) own base where cfg.rope_local_theta."""
+  layer's (`local`: a bool, or traced in a layer scan) own base where cfg.rope_local_theta.
+  `length_B`: the rows' lengths, for the schemes that depend on them (rope.row_lengths)."""
   if not cfg.rope_local_theta or local is False:
-    return rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
+    return rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope, length_B=length_B)
   local_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_local_theta)
   if local is True:
     return local_BTNH
@@ -156,6 +158,14 @@ def is_local(cfg: ModelConfig, layer):
     raise ValueError(f"model.layer_pattern={cfg.layer_pattern!r}: attention needs its layer index")
   kinds = jnp.asarray([cfg.local_layer(i) for i in range(len(cfg.layer_pattern))])
   return kinds[layer % len(cfg.layer_pattern)]
+
+
+def _lengths(cfg: ModelConfig, positions_BT, segment_ids_BT):
+  """The rows' lengths where cfg's RoPE depends on them (dynamic, longrope), else None: a
+  right-padded chunk's padding does not count."""
+  if cfg.rope_scaling not in rope_lib.BY_LENGTH or positions_BT is None:
+    return None
+  return rope_lib.row_lengths(positions_BT, segment_ids_BT)
 
 
 class Attention(nnx.Module):
@@ -200,7 +210,8 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     if kv_BSD is None:
-      q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT, layer)
+      q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, positions_BT, layer,
+                                         _lengths(cfg, positions_BT, segment_ids_BT))
       window = layer_window(cfg, layer)
       # Training/prefill: causality by index (packed rows restart positions per
       # segment, which the segment ids already separate).
@@ -226,7 +237,8 @@ class Attention(nnx.Module):
     over everything the row may see, within `window` (this layer's: `layer_window`).
     Same projections as `__call__`.
     """
-    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, layer)
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT, layer,
+                                       _lengths(self.cfg, positions_BT, segment_ids_BT))
     extra = {} if bias_fn is None else {"bias_fn": bias_fn}
     out_BTNH, layer_cache = cache.attend(layer_cache, q_BTNH, k_BTKH, v_BTKH, positions_BT,
                                          segment_ids_BT, self.cfg,
@@ -237,22 +249,23 @@ class Attention(nnx.Module):
     """(k_BSKH, v_BSKH) of another sequence, for cross-attention (no rotary embeddings)."""
     return self._kv(kv_BSD, None)
 
-  def _qkv(self, x_BTD, positions_BT, layer=None):
+  def _qkv(self, x_BTD, positions_BT, layer=None, length_B=None):
     """Query, key and value projections, rotary embeddings applied: (q_BTNH, k_BTKH, v_BTKH)."""
     local = is_local(self.cfg, layer)
-    return (self._q(x_BTD, positions_BT, local), *self._kv(x_BTD, positions_BT, local))
+    return (self._q(x_BTD, positions_BT, local, length_B),
+            *self._kv(x_BTD, positions_BT, local, length_B))
 
-  def _q(self, x_BTD, positions_BT, local=False):
+  def _q(self, x_BTD, positions_BT, local=False, length_B=None):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     q_BTNH = _add_bias(self._proj("BTD,DNH->BTNH", x_BTD, self.wq_DNH), self._b("bq_NH"), dt)
     if cfg.qk_norm or cfg.qk_norm_full:
       q_BTNH = self.q_norm(q_BTNH)
     if positions_BT is not None and cfg.position == "rope":
-      q_BTNH = rope(q_BTNH, positions_BT, cfg, local)
+      q_BTNH = rope(q_BTNH, positions_BT, cfg, local, length_B)
     return constrain(q_BTNH, ("act_batch", "act_seq", "act_heads", None))
 
-  def _kv(self, x_BSD, positions_BS, local=False):
+  def _kv(self, x_BSD, positions_BS, local=False, length_B=None):
     cfg = self.cfg
     dt = cfg.jnp_dtype
     k_BSKH = _add_bias(self._proj("BTD,DKH->BTKH", x_BSD, self.wk_DKH), self._b("bk_KH"), dt)
@@ -260,7 +273,7 @@ class Attention(nnx.Module):
     if cfg.qk_norm or cfg.qk_norm_full:
       k_BSKH = self.k_norm(k_BSKH)
     if positions_BS is not None and cfg.position == "rope":
-      k_BSKH = rope(k_BSKH, positions_BS, cfg, local)
+      k_BSKH = rope(k_BSKH, positions_BS, cfg, local, length_B)
     return (constrain(k_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)),
             constrain(v_BSKH, ("act_batch", "act_seq", "act_kv_heads", None)))
 

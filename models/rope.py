@@ -6,12 +6,21 @@ loads: each scheme changes only the rotation frequencies (and, for YaRN, scales 
   llama3   Llama 3.1's: low frequencies / factor, high ones kept, a smooth ramp between
   yarn     YaRN: per-frequency blend of interpolated and original by a ramp over
            [beta_fast, beta_slow] rotations, cos and sin scaled by 0.1 ln(factor) + 1
+  dynamic  dynamic NTK: past original_max_len (the config's max_position_embeddings), the base
+           grows with the sequence, theta·(factor·L/orig − factor + 1)^(H/(H−2)), L = a row's
+           length so far (its largest real position + 1)
+  longrope Phi-3's: per-frequency divisors, short_factors while a row is within
+           original_max_len and long_factors past it, cos and sin scaled by
+           sqrt(1 + ln(factor) / ln(original_max_len))
   factors  default / freq_factors, one divisor per frequency: what a GGUF file's
            rope_freqs.weight holds (llama.cpp's converter computes Llama 3.1's llama3
            scaling into it); no Hugging Face config.json says this
 
 The frequencies are a function of the config alone, computed once in numpy at trace time,
-as transformers' modeling_rope_utils computes them (the parity tests hold it to that).
+as transformers' modeling_rope_utils computes them (the parity tests hold it to that); those
+of dynamic and longrope depend on the row's length too, computed in the traced step, per row
+(transformers takes the batch's longest: the same for one row, as the parity tests run).
+A cached key keeps the rotation it was written with, as in transformers' generation.
 `RopeScaling` is the part of ModelConfig that names the scheme.
 """
 
@@ -22,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMES = ("default", "linear", "llama3", "yarn", "factors")
+SCHEMES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "factors")
+BY_LENGTH = ("dynamic", "longrope")  # frequencies that depend on a row's length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +48,8 @@ class RopeScaling:
   attention_factor: float = 0.0      # yarn: cos/sin scale; 0 derives it from factor
   truncate: bool = True              # yarn: round the ramp's ends to whole dimensions
   freq_factors: tuple = ()           # factors: a divisor per frequency (head_dim / 2 of them)
+  short_factors: tuple = ()          # longrope: divisors within original_max_len
+  long_factors: tuple = ()           # longrope: divisors past it
 
   def check(self) -> str | None:
     """What is wrong with these parameters, or None."""
@@ -45,7 +57,7 @@ class RopeScaling:
       return f"rope scaling {self.kind!r}; choose one of {SCHEMES}"
     if self.kind != "default" and not self.factor > 0:
       return f"rope scaling {self.kind!r} needs factor > 0, got {self.factor}"
-    if self.kind in ("llama3", "yarn") and self.original_max_len <= 0:
+    if self.kind in ("llama3", "yarn", "dynamic", "longrope") and self.original_max_len <= 0:
       return f"rope scaling {self.kind!r} needs original_max_len > 0"
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       return "llama3 rope scaling needs high_freq_factor > low_freq_factor"
@@ -53,6 +65,11 @@ class RopeScaling:
       return "rope scaling 'factors' and freq_factors (rope_freq_factors) go together"
     if self.freq_factors and not all(f > 0 for f in self.freq_factors):
       return "rope freq_factors must all be > 0"
+    if (self.kind == "longrope") != bool(self.short_factors and self.long_factors):
+      return "rope scaling 'longrope' and short_factors / long_factors go together"
+    if len(self.short_factors) != len(self.long_factors) or not all(
+        f > 0 for f in self.short_factors + self.long_factors):
+      return "longrope short_factors and long_factors must be as long and all > 0"
     return None
 
 
@@ -61,6 +78,8 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[np.n
   dim = head_dim
   inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
   kind = scaling.kind
+  if kind in BY_LENGTH:
+    raise ValueError(f"rope scaling {kind!r} depends on the row's length: `by_length`")
   if kind == "default":
     return inv_freq.astype(np.float32), 1.0
   if kind == "linear":
@@ -106,16 +125,47 @@ def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
   return inv_freq.astype(np.float32), float(attention)
 
 
+def by_length(dim: int, theta: float, s: RopeScaling, length_B) -> tuple[jax.Array, float]:
+  """(inverse frequencies [B, dim / 2], the cos/sin scale) of the length-dependent schemes
+  for rows of `length_B` tokens (traced), as transformers' dynamic / longrope updates."""
+  exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+  length_B1 = length_B.astype(jnp.float32)[:, None]
+  old = s.original_max_len
+  if s.kind == "dynamic":
+    length_B1 = jnp.maximum(length_B1, old)
+    base_B1 = theta * ((s.factor * length_B1 / old) - (s.factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / base_B1 ** exponent, 1.0
+  factors = (jnp.asarray(s.short_factors, jnp.float32), jnp.asarray(s.long_factors, jnp.float32))
+  ext_BH = jnp.where(length_B1 > old, factors[1], factors[0])
+  scale = s.attention_factor or (
+      1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(old)))
+  return 1.0 / (ext_BH * jnp.float32(theta) ** exponent), scale
+
+
+def row_lengths(positions_BT, segment_ids_BT=None):
+  """Each row's length so far: its largest real position + 1 (segment id 0: padding)."""
+  if segment_ids_BT is not None:
+    positions_BT = jnp.where(segment_ids_BT > 0, positions_BT, -1)
+  return jnp.max(positions_BT, axis=-1) + 1
+
+
 def apply(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
-          scaling: RopeScaling = RopeScaling(), interleaved: bool = False) -> jax.Array:
+          scaling: RopeScaling = RopeScaling(), interleaved: bool = False,
+          length_B=None) -> jax.Array:
   """Rotary embedding, half-split ("rotate_half") layout as in Hugging Face Llama, or with
-  `interleaved` pairs (x0, x1), (x2, x3), ... each rotated by one frequency (DeepSeek's)."""
+  `interleaved` pairs (x0, x1), (x2, x3), ... each rotated by one frequency (DeepSeek's).
+  `length_B`: the rows' lengths for the length-dependent schemes (default: row_lengths)."""
   h = x_BTNH.shape[-1]
-  if scaling.kind == "default":  # computed in JAX as always: the parity goldens stay bitwise
-    inv_freq, scale = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
+  if scaling.kind in BY_LENGTH:
+    length_B = row_lengths(positions_BT) if length_B is None else length_B
+    inv_freq_BH, scale = by_length(h, theta, scaling, length_B)
+    angle_BTH2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_BH[:, None, :]
   else:
-    inv_freq, scale = frequencies(h, theta, scaling)
-  angle_BTH2 = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    if scaling.kind == "default":  # computed in JAX as always: the parity goldens stay bitwise
+      inv_freq, scale = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h), 1.0
+    else:
+      inv_freq, scale = frequencies(h, theta, scaling)
+    angle_BTH2 = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
   sin, cos = jnp.sin(angle_BTH2)[:, :, None, :], jnp.cos(angle_BTH2)[:, :, None, :]
   if scale != 1.0:
     sin, cos = sin * scale, cos * scale
@@ -135,7 +185,8 @@ _HF_FIELDS = {"factor": "rope_factor", "original_max_position_embeddings": "rope
               "high_freq_factor": "rope_high_freq_factor", "beta_fast": "rope_beta_fast",
               "beta_slow": "rope_beta_slow", "attention_factor": "rope_attention_factor"}
 # Keys a scheme may carry that change nothing here (transformers' own bookkeeping).
-_HF_IGNORED = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_HF_IGNORED = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "short_factor",
+               "long_factor"}
 
 
 def merge_hf(parameters: dict, scaling: dict, source: str) -> dict:
@@ -171,6 +222,13 @@ def from_hf(params: dict, source: str, max_position_embeddings: int | None) -> d
   out = {"rope_scaling": kind}
   out.update({field: params[key] for key, field in _HF_FIELDS.items()
               if params.get(key) is not None})
+  if kind == "dynamic":  # transformers grows the base past max_position_embeddings itself
+    out["rope_original_max_len"] = max_position_embeddings
+  if kind == "longrope":
+    out["rope_short_factors"] = tuple(params.get("short_factor") or ())
+    out["rope_long_factors"] = tuple(params.get("long_factor") or ())
+    if "rope_factor" not in out and max_position_embeddings and out.get("rope_original_max_len"):
+      out["rope_factor"] = max_position_embeddings / out["rope_original_max_len"]
   if kind == "yarn" and "rope_original_max_len" not in out and max_position_embeddings:
     out["rope_original_max_len"] = max_position_embeddings  # transformers' fallback
   if kind == "yarn" and "rope_factor" not in out:
@@ -191,6 +249,11 @@ def to_hf(scaling: RopeScaling, theta: float) -> dict:
     out.update(low_freq_factor=scaling.low_freq_factor,
                high_freq_factor=scaling.high_freq_factor,
                original_max_position_embeddings=scaling.original_max_len)
+  elif scaling.kind == "longrope":
+    out.update(short_factor=list(scaling.short_factors), long_factor=list(scaling.long_factors),
+               original_max_position_embeddings=scaling.original_max_len)
+    if scaling.attention_factor:
+      out["attention_factor"] = scaling.attention_factor
   elif scaling.kind == "yarn":
     out.update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow,
                original_max_position_embeddings=scaling.original_max_len)

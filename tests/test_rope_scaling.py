@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
-from models import rope  # noqa: E402
+from models import ModelConfig, rope  # noqa: E402
 from benchmarks.family_parity import VOCAB, exported_back, greedy_pair, logits  # noqa: E402
 from test_hf_parity import _write_tokenizer  # noqa: E402
 
@@ -77,12 +77,17 @@ def test_export_loads_in_transformers_with_equal_logits(pair, tmp_path):
 
 
 def test_unsupported_schemes_are_refused_by_name():
-  for params, match in (({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported"),
-                        ({"rope_type": "longrope"}, "'longrope' is not supported"),
+  """What config.json cannot say (a GGUF's per-frequency "factors", Phi-3's old "su" name) or
+  says incompletely (longrope without its factors), and YaRN's mscale outside DeepSeek."""
+  for params, match in (({"rope_type": "factors"}, "'factors' is not supported"),
+                        ({"rope_type": "su"}, "'su' is not supported"),
+                        ({"rope_type": "longrope", "original_max_position_embeddings": 16},
+                         "short_factors / long_factors go together"),
                         ({"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
                           "original_max_position_embeddings": 16}, r"\['mscale'\]")):
     with pytest.raises(ValueError, match=match):
-      rope.from_hf(params, "config.json", 128)
+      ModelConfig(vocab_size=16, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                  mlp_dim=16, **rope.from_hf(params, "config.json", 128))
 
 
 def test_default_rope_is_unchanged():

@@ -161,7 +161,9 @@ def common_values(hf: dict, get: Callable, source: str) -> dict:
       rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
       norm_eps=float(get("rms_norm_eps")),
       tie_embeddings=bool(get("tie_word_embeddings") or False),
-      max_seq_len=get("max_position_embeddings"),
+      # dynamic NTK stretches past max_position_embeddings (its threshold) by `factor`
+      max_seq_len=(int(get("max_position_embeddings") * scaling["rope_factor"])
+                   if scaling["rope_scaling"] == "dynamic" else get("max_position_embeddings")),
       param_dtype=dtype, dtype=dtype,
       bos_id=first(hf.get("bos_token_id")), eos_id=first(hf.get("eos_token_id")), **scaling)
 
@@ -176,7 +178,9 @@ def common_hf(cfg: ModelConfig, family: Family) -> dict:
       "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
       "rope_theta": cfg.rope_theta,
       "rope_parameters": rope_lib.to_hf(cfg.rope, cfg.rope_theta),
-      "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": (cfg.rope_original_max_len if cfg.rope_scaling == "dynamic"
+                                  else cfg.max_seq_len),
+      "tie_word_embeddings": cfg.tie_embeddings,
       "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "dtype": cfg.param_dtype,
   }
 

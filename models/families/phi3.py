@@ -1,7 +1,7 @@
 """Phi-3 (Phi3ForCausalLM): Llama with the query, key and value projections stored as one
 fused qkv_proj and the MLP's gate and up projections as one gate_up_proj (rows in that
-order; models/hf_io.py splits and refuses them), and Phi-3-mini's sliding window. Its
-128k-context variants' `longrope` scaling is refused by name (models/rope.py)."""
+order; models/hf_io.py splits and refuses them), Phi-3-mini's sliding window, and its
+128k-context variants' `longrope` scaling (models/rope.py)."""
 
 from models.families import base
 
@@ -39,7 +39,8 @@ PHI3 = base.register(base.Family(
     claims=lambda cfg: (cfg.hf_family == "phi3" and base.dense_llama(cfg) and not cfg.qkv_bias
                         and not cfg.qk_norm),
     to_hf=lambda cfg, hf: {**hf, "sliding_window": cfg.sliding_window or None,
-                           "original_max_position_embeddings": cfg.max_seq_len,
+                           "original_max_position_embeddings": cfg.rope_original_max_len
+                           if cfg.rope_scaling == "longrope" else cfg.max_seq_len,
                            "attention_bias": False,
                            # transformers' default (32000) would lie outside a smaller vocabulary;
                            # a padding index only stops its embedding's gradient in training
