@@ -1,7 +1,8 @@
 """`meshlm serve` started on a family's Hugging Face directory, as a user starts it, answers
 over real HTTP with the tokens the Engine gives the same directory: Gemma 2 (local/global
-layers, soft caps) and Qwen2-MoE (routed experts and a gated shared expert), the families
-whose serving path differs most from Llama's."""
+layers, soft caps), Qwen2-MoE (routed experts and a gated shared expert) and DeepSeek-V3
+(latent attention, its paged cache holding the latent only), the families whose serving path
+differs most from Llama's."""
 
 import pytest
 
@@ -19,7 +20,7 @@ TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }}</s>{%
             "{% if add_generation_prompt %}<s> assistant {% endif %}")
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "qwen2_moe", "deepseek_v3"])
 def test_meshlm_serve_answers_with_the_engines_tokens(tmp_path, name):
   directory = str(tmp_path / name)
   _, model, tokenizer = make_family(name, directory, chat_template=TEMPLATE)
