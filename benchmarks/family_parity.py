@@ -61,6 +61,10 @@ FAMILIES = {
                                        "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+    # Mixtral-8x7B's in small: 4 experts of 48, top-2 renormalised, rope base 1e6.
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6,
+        tie_word_embeddings=False),
     # Qwen3-30B-A3B's in small: Qwen3's attention, 4 experts of 48, top-2 renormalised.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON, rope_theta=1e6, head_dim=32, num_experts=4, num_experts_per_tok=2,

@@ -29,6 +29,17 @@ MECHANISMS = {
     # soft-capped scores and logits, local/global layers (Gemma 2)
     "gemma2": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2),
                ModelConfig(**BASE, **GEMMA, attn_softcap=2.0, final_softcap=3.0)),
+    # q/k/v biases (Qwen2)
+    "qwen2": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2), ModelConfig(**BASE, qkv_bias=True)),
+    # per-head q/k norms (Qwen3)
+    "qwen3": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2),
+              ModelConfig(**BASE, qk_norm=True, head_dim=32)),
+    # a sliding window on every layer (Mistral, Phi-3)
+    "mistral": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2),
+                ModelConfig(**BASE, sliding_window=8)),
+    # per-head q/k norms with renormalised top-k experts (Qwen3-MoE)
+    "qwen3_moe": ("fsdp+expert", dict(fsdp=2, expert=4),
+                  ModelConfig(**BASE, num_experts=8, top_k=2, router_norm="topk", qk_norm=True)),
     # per-head q/k norms, two RoPE bases (Gemma 3)
     "gemma3": ("fsdp+tensor", dict(data=2, fsdp=2, tensor=2),
                ModelConfig(**BASE, **GEMMA, qk_norm=True, rope_local_theta=1e4)),
