@@ -55,11 +55,6 @@ def forward_logps(graphdef, params, batch):
   return sequence_logps(nnx.merge(graphdef, params), batch)
 
 
-def forward_token_logps(graphdef, params, batch):
-  """masked_token_logps as a pure function of (graphdef, params, batch)."""
-  return masked_token_logps(nnx.merge(graphdef, params), batch)
-
-
 def response_lengths(batch):
   """n_B float32: response tokens per row (IPO and length-normalised losses divide by it)."""
   return jnp.sum(response_mask(batch), axis=-1)

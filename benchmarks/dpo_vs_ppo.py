@@ -47,7 +47,7 @@ from experiments import dpo_vs_ppo as exp  # noqa: E402
 from train import flops as flops_lib  # noqa: E402
 from train.checkpoint import restore_params  # noqa: E402
 from train.loop import train  # noqa: E402
-from train.state import abstract_model  # noqa: E402
+from train.state import split_abstract_model  # noqa: E402
 from train.workdir import load_model_config, load_tokenizer  # noqa: E402
 
 PAIRS = 2  # seed namespace of DPO's pair sampling (rollout.py uses 0: train, 1: eval)
@@ -92,7 +92,7 @@ class Policies:
   def __init__(self, ref_dir: str, s: dict, seq_len: int, rows: int):
     self.model_cfg = load_model_config(ref_dir)
     self.tokenizer = load_tokenizer(ref_dir)
-    self.graphdef, self.abstract = abstract_model(self.model_cfg)
+    self.graphdef, self.abstract = split_abstract_model(self.model_cfg)
     self.ref = self.params(ref_dir)
     self.s, self.seq_len, self.rows = s, seq_len, rows
     self.max_prompt_len = seq_len - s["max_new_tokens"]

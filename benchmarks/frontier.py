@@ -52,7 +52,7 @@ from infer.loading import load_any
 from models.pretrained import smollm_path
 from train.checkpoint import restore_params
 from train.report_paths import scrub_paths
-from train.state import abstract_model
+from train.state import split_abstract_model
 from train.workdir import MERGED, load_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +145,7 @@ def run_points(j: Judged, method: str, workdir: str, config) -> dict:
     load = lambda k: merge_lora(j.ref, restore_params(workdir, template, k)[0]["lora"],
                                 a.lora_alpha, rank)
   else:
-    name, (graphdef, abstract) = method, abstract_model(load_model_config(workdir))
+    name, (graphdef, abstract) = method, split_abstract_model(load_model_config(workdir))
     load = lambda k: restore_params(workdir, abstract, k)[0]
   clock = wall_clock(workdir)
   steps, points, check = checkpoint_steps(workdir), [], None
@@ -169,7 +169,7 @@ def merged_difference(workdir: str, params, step: int) -> float | None:
   merged = os.path.join(workdir, MERGED)
   if not os.path.isdir(os.path.join(merged, "checkpoints")):
     return None
-  saved, saved_step = restore_params(merged, abstract_model(load_model_config(merged))[1])
+  saved, saved_step = restore_params(merged, split_abstract_model(load_model_config(merged))[1])
   if saved_step != step:
     return None
   ours, theirs = jax.tree.leaves(params), jax.tree.leaves(saved)

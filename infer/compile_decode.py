@@ -35,7 +35,7 @@ from train.defaults import model_config_from
 from train.plan.aot import compiled_facts
 from train.plan.compile_target import run_deviceless
 from train.plan.targets import resolve
-from train.state import abstract_model
+from train.state import split_abstract_model
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
@@ -62,7 +62,7 @@ def compile_decode(model_cfg: ModelConfig, devices, batch: int = 1, context: int
   blocks = context // page_size + 1  # room for the new token's page
   abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
   with jax.set_mesh(mesh):
-    graphdef, state = model if model is not None else abstract_model(model_cfg)
+    graphdef, state = model if model is not None else split_abstract_model(model_cfg)
     if unroll_layers:
       state = jax.eval_shape(layer_weights.unstack, state)
     state = jax.tree.map(abstract, state)

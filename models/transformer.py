@@ -16,7 +16,7 @@ from models.embedding import Embeddings
 from models.layers import Norm
 from models.positions import RelativePositionBias, default_positions
 
-__all__ = ["Block", "Transformer", "abstract_model"]
+__all__ = ["Block", "Transformer"]
 
 
 class Transformer(Embeddings):

@@ -39,10 +39,10 @@ def test_mesh_that_does_not_divide_devices():
 
 
 def test_tensor_axis_not_dividing_heads_names_the_sizes():
-  from train.state import abstract_model
+  from train.state import split_abstract_model
   cfg = ModelConfig(vocab_size=64, d_model=48, num_layers=1, num_heads=3, num_kv_heads=3,
                     mlp_dim=64)
-  _, params = abstract_model(cfg)
+  _, params = split_abstract_model(cfg)
   mesh = jax.sharding.AbstractMesh((1, 1, 2, 1, 1, 1), parallel.MESH_AXES)
   with pytest.raises(ValueError, match=r"\((kv_)?heads\) of size 3 is not divisible by mesh axes "
                                        r"\('tensor',\) of total size 2"):

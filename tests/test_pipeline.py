@@ -17,7 +17,7 @@ import parallel
 from models import ModelConfig
 from parallel import PipelineConfig
 from conftest import run_worker as _worker
-from train.state import abstract_model
+from train.state import split_abstract_model
 
 GPIPE, CIRCULAR = "gpipe_p2", "circular_p2_r2"
 
@@ -112,7 +112,7 @@ CFG = dict(vocab_size=64, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2,
 
 def _random_params(cfg):
   """(graphdef, params) with random values, without paying for the model's init."""
-  graphdef, abstract = abstract_model(cfg)
+  graphdef, abstract = split_abstract_model(cfg)
   rng = np.random.default_rng(0)
   return graphdef, jax.tree.map(
       lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), abstract)
@@ -147,7 +147,7 @@ def test_bad_pipeline_config(kw, message):
 
 
 def _abstract_call(cfg, batch):
-  graphdef, params = abstract_model(cfg)
+  graphdef, params = split_abstract_model(cfg)
   jax.eval_shape(lambda p: nnx.merge(graphdef, p)(jnp.zeros((batch, 8), jnp.int32)), params)
 
 

@@ -24,7 +24,7 @@ from train.checkpoint import restore_params
 from train.data import is_validation, resolve_paths
 from train.loop import train
 from train.plan.report import plan
-from train.state import abstract_model
+from train.state import split_abstract_model
 from train.workdir import MERGED, load_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,7 +271,7 @@ def test_frontier_refuses_a_merge_that_is_not_the_runs(ppo_rm_workdir):
   """merged_difference compares every array of the run's merged model: a tree with one array
   fewer, or one value off, is refused rather than compared on a prefix."""
   merged = os.path.join(ppo_rm_workdir, MERGED)
-  saved, step = restore_params(merged, abstract_model(load_model_config(merged))[1])
+  saved, step = restore_params(merged, split_abstract_model(load_model_config(merged))[1])
   leaves = jax.tree.leaves(saved)
   assert frontier.merged_difference(str(ppo_rm_workdir), saved, step) == 0.0
   assert frontier.merged_difference(str(ppo_rm_workdir), saved, step + 1) is None

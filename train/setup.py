@@ -13,7 +13,7 @@ from train import workdir as workdir_lib
 from train.defaults import model_config_from
 from train.mlm_data import mask_id
 from train.seq2seq_data import tokenizer_texts
-from train.state import abstract_model
+from train.state import split_abstract_model
 from train.tokenizer_training import train_bpe_tokenizer
 
 ANOMALY_POLICIES = ("skip", "rollback")
@@ -104,7 +104,7 @@ def _initial_params(config: ConfigDict, model_cfg: ModelConfig):
 
 def param_shapes(model_cfg: ModelConfig) -> dict:
   """{parameter path: (shape, dtype)} of `model_cfg`'s model, from shapes alone."""
-  _, params = abstract_model(model_cfg)
+  _, params = split_abstract_model(model_cfg)
   return {jax.tree_util.keystr(path): (leaf.shape, str(leaf.dtype))
           for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 

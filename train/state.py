@@ -15,7 +15,7 @@ import parallel
 from models import ModelConfig, create_model
 
 
-def abstract_model(model_cfg: ModelConfig):
+def split_abstract_model(model_cfg: ModelConfig):
   """(graphdef, abstract params) without allocating anything."""
   return nnx.split(models.abstract_model(model_cfg), nnx.Param)
 
@@ -42,7 +42,7 @@ def create_train_state(model_cfg: ModelConfig, tx: optax.GradientTransformation,
   With `params` given (e.g. from a pretrained checkpoint), they are placed with
   the rule-derived shardings instead of being initialised.
   """
-  graphdef, abstract_params = abstract_model(model_cfg)
+  graphdef, abstract_params = split_abstract_model(model_cfg)
   abstract = jax.eval_shape(lambda p: assemble_state(p, tx, seed), abstract_params)
   layout = parallel.get_layout("data_parallel") if layout is None else layout
   shardings = state_shardings(abstract, mesh, layout)

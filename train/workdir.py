@@ -14,7 +14,7 @@ from flax import nnx
 
 from models import ModelConfig, Tokenizer
 from train.checkpoint import restore_params
-from train.state import abstract_model
+from train.state import split_abstract_model
 
 MODEL_CONFIG = "model_config.json"
 
@@ -77,6 +77,6 @@ def load_trained(workdir: str, step: int | None = None):
   if step is None and is_workdir(os.path.join(workdir, MERGED)):
     return load_trained(os.path.join(workdir, MERGED))
   model_cfg = load_model_config(workdir)
-  graphdef, abstract_params = abstract_model(model_cfg)
+  graphdef, abstract_params = split_abstract_model(model_cfg)
   params, step = restore_params(workdir, abstract_params, step)
   return nnx.merge(graphdef, params), load_tokenizer(workdir), step

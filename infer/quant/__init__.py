@@ -1,4 +1,7 @@
-"""Weight-only quantization: formats, QArray weights, rules, RTN and GPTQ calibration."""
+"""Quantization of a built model: round-to-nearest (quantize.py), GPTQ and AWQ calibration
+(gptq.py, awq.py), SmoothQuant-style int8 activations (smooth.py), per-layer format search
+(tune.py), quantized checkpoints (checkpoint.py) and conversion (convert.py); the formats,
+QArray weights and rules they share live in models/quant/."""
 
 from models.quant.formats import QuantFormat, parse_format
 from models.quant.qarray import QArray

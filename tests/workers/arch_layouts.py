@@ -24,7 +24,7 @@ import parallel
 from layouts import OPT, STEPS, _spec
 from models import ModelConfig
 from train.optimizer import make_optimizer
-from train.state import abstract_model, create_train_state
+from train.state import split_abstract_model, create_train_state
 from train.step import forward_loss, jit_train_step
 
 B, T, S = 8, 16, 24  # batch rows, decoder (or only) length, encoder length
@@ -140,7 +140,7 @@ def bias_gradients(params):
   A key bias adds q.bk to every score of a query, which the softmax cancels, so
   its true gradient is zero; the query and value biases show a real gradient's size.
   """
-  graphdef, _ = abstract_model(MODELS["encoder"])
+  graphdef, _ = split_abstract_model(MODELS["encoder"])
   batch = batches("encoder")[0]
   names = ("bq_NH", "bk_KH", "bv_KH")
 

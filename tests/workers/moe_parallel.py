@@ -30,7 +30,7 @@ from layouts import COLLECTIVE, MOE_ALL_TO_ALL, MOE_MODEL, OPT, STEPS
 from models import Transformer
 from train.moe_metrics import router_loss
 from train.optimizer import make_optimizer
-from train.state import abstract_model, create_train_state
+from train.state import split_abstract_model, create_train_state
 from train.step import forward_loss, jit_train_step
 
 # The no-drop capacity case: C = ceil(ceil(T*k/E) * 4) = T slots per expert per sequence, so no
@@ -81,7 +81,7 @@ def model_params(cfg):
 def forward_and_grads(cfg, layout_name, mesh, params):
   """Logits and the gradient of the training loss on the first batch."""
   layout = parallel.get_layout(layout_name)
-  graphdef = abstract_model(cfg)[0]
+  graphdef = split_abstract_model(cfg)[0]
 
   def loss(p, batch):
     loss_sum, count, stats = forward_loss(graphdef, p, batch)

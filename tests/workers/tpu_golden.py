@@ -19,7 +19,7 @@ from layouts import COLLECTIVE, MODEL, MOE_MODEL, OPT, STEPS, uses_moe
 from train.optimizer import make_optimizer
 from train.plan.aot import kernel_counts
 from train.plan.targets import pallas_kernels
-from train.state import abstract_model, state_shardings
+from train.state import split_abstract_model, state_shardings
 from train.step import jit_train_step
 
 TARGET = "v5e:2x4"
@@ -32,7 +32,7 @@ def compile_layout(name: str, sizes: dict, devices) -> dict:
   tx, schedule = make_optimizer(OPT, STEPS)
   stages = sizes.get("pipeline", 1)
   pipeline = parallel.PipelineConfig(stages, microbatches=2) if stages > 1 else None
-  graphdef, params = abstract_model(model)
+  graphdef, params = split_abstract_model(model)
   abstract = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
               "step": jax.ShapeDtypeStruct((), jnp.int32),
               "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}

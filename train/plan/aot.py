@@ -28,7 +28,7 @@ import parallel
 from models.registry import EXTRA_INPUTS
 from train.defaults import model_config_from
 from train.optimizer import make_optimizer
-from train.state import abstract_model, state_shardings
+from train.state import split_abstract_model, state_shardings
 from train.step import jit_train_step
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +49,7 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str,
   mesh = parallel.make_mesh(dict(mesh_sizes), devices)
   layout = parallel.get_layout(sharding)
   tx, schedule = make_optimizer(config.optimizer, int(config.steps))
-  graphdef, params = abstract_model(model_cfg)
+  graphdef, params = split_abstract_model(model_cfg)
   abstract = {"params": params, "opt_state": jax.eval_shape(tx.init, params),
               "step": jax.ShapeDtypeStruct((), jnp.int32),
               "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}

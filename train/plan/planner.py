@@ -2,7 +2,7 @@
 
 `Planner(config).estimate(mesh_sizes, sharding)` sizes a layout without devices:
 parameters, gradients and optimizer state are the real abstract train state
-(`train.state.abstract_model`, the real optimizer's `init` under `jax.eval_shape`),
+(`train.state.split_abstract_model`, the real optimizer's `init` under `jax.eval_shape`),
 each array divided exactly as `parallel.logical_shardings` shards it on an
 `AbstractMesh`. Activations follow the formula below, each tensor divided by
 the mesh axes its logical names map to (`parallel.logical_to_spec`).
@@ -71,7 +71,7 @@ from parallel.mesh import MESH_AXES, resolve_axis_sizes
 from parallel.rules import BATCH_AXES, LOGICAL_AXES, get_layout, logical_shardings, logical_to_spec
 from train.defaults import model_config_from
 from train.optimizer import make_optimizer
-from train.state import abstract_model
+from train.state import split_abstract_model
 
 F32 = 4
 GiB = 2 ** 30
@@ -159,7 +159,7 @@ class Planner:
   def __init__(self, config: ConfigDict):
     self.config = config
     self.work = workload_from_config(config)
-    _, self.params = abstract_model(self.work.model)
+    _, self.params = split_abstract_model(self.work.model)
     tx, _ = make_optimizer(config.optimizer, int(config.steps))
     self.opt_state = jax.eval_shape(tx.init, self.params)
     self.param_count = sum(math.prod(v.shape) for v in jax.tree.leaves(self.params))
