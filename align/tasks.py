@@ -215,7 +215,8 @@ class AlignTask:
   @staticmethod
   def with_router_stats(metrics: dict, stats) -> dict:
     """metrics carrying an MoE policy's router statistics to the step (ROUTER_STATS), whose
-    losses it adds and whose balancing biases it moves; a dense policy's ({}) add nothing."""
+    losses it adds and whose balancing biases it moves where they are trained (a LoRA run
+    keeps them frozen with the base); a dense policy's ({}) add nothing."""
     return {**metrics, ROUTER_STATS: stats} if stats else metrics
 
   def eval_sums(self, trainable, frozen, batch) -> dict:

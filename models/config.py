@@ -222,6 +222,8 @@ class ModelConfig:
                         f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads}")
     clash = [n for n in ("use_bias", "qkv_bias", "qk_norm", "qk_norm_full", "sliding_window",
                          "layer_pattern", "attn_softcap") if getattr(self, n)]
+    if self.rope_scaling in ("dynamic", "longrope"):  # their lengths are not wired through MLA
+      clash.append(f"rope_scaling={self.rope_scaling!r}")
     if clash or self.arch != "decoder":
       raise ConfigError(f"latent attention (model.kv_lora_rank) is for arch='decoder' without "
                         f"{clash or ['arch=' + repr(self.arch)]}")

@@ -179,10 +179,11 @@ def _gemma2_keys(get, names, path, hf) -> dict:
   # (hidden / heads) ** -0.5: the file does not say query_pre_attn_scalar, llama.cpp assumes it.
   scalar = (hf["hidden_size"] // hf["num_attention_heads"] if hf["num_hidden_layers"] == 46
             else hf["head_dim"])
-  window = get("attention.sliding_window") or 0
+  # llama.cpp's defaults where an older conversion left a key out (llama-hparams, gemma2)
+  window = get("attention.sliding_window", 4096) or 0
   return {"query_pre_attn_scalar": scalar, "hidden_activation": "gelu_pytorch_tanh",
-          "attn_logit_softcapping": get("attn_logit_softcapping"),
-          "final_logit_softcapping": get("final_logit_softcapping"),
+          "attn_logit_softcapping": get("attn_logit_softcapping", 50.0),
+          "final_logit_softcapping": get("final_logit_softcapping", 30.0),
           "sliding_window": window or None, "tie_word_embeddings": True,
           "layer_types": [("sliding_attention" if window and i % 2 == 0 else "full_attention")
                           for i in range(hf["num_hidden_layers"])]}

@@ -187,6 +187,7 @@ def _split_fused(cfg: ModelConfig, read: Callable, names: Iterable[str]):
     return read, names
   pattern = re.compile(r"model\.layers\.(\d+)\.(" + "|".join(map(re.escape, fused)) + ")")
   virtual, rest = {}, []  # part name -> (fused name, heads, its rows within a head's)
+  parts_of = {}  # fused name -> its parts
   for name in names:
     m = pattern.fullmatch(name)
     if not m:
@@ -194,6 +195,7 @@ def _split_fused(cfg: ModelConfig, read: Callable, names: Iterable[str]):
       continue
     parts = fused[m[2]]
     heads, parts = (parts.heads, parts.parts) if isinstance(parts, PerHead) else (1, parts)
+    parts_of[name] = parts
     start = 0
     for part, rows in parts:
       virtual[f"model.layers.{m[1]}.{part}"] = (name, heads, slice(start, start + rows))
@@ -204,9 +206,10 @@ def _split_fused(cfg: ModelConfig, read: Callable, names: Iterable[str]):
       return read(name)
     source, heads, rows = virtual[name]
     w = read(source)
-    if w.shape[0] % heads:
-      raise ValueError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, not a multiple "
-                       f"of its {heads} heads")
+    want = heads * sum(r for _, r in parts_of[source])
+    if w.shape[0] != want:
+      raise ValueError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, but the config "
+                       f"implies {want} ({heads} heads of {[r for _, r in parts_of[source]]})")
     part = w.reshape(heads, -1, *w.shape[1:])[:, rows]
     return part.reshape(-1, *w.shape[1:])
 

@@ -127,7 +127,7 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, cfg: ModelConfig, local=Fal
   local_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_local_theta)
   if local is True:
     return local_BTNH
-  global_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope)
+  global_BTNH = rope_lib.apply(x_BTNH, positions_BT, cfg.rope_theta, cfg.rope, length_B=length_B)
   return jnp.where(local, local_BTNH, global_BTNH)
 
 

@@ -167,3 +167,23 @@ def test_closed_form_counts_match_the_model(change):
   assert (per_token - mla_attention - 2 * cfg.num_layers * weights
           == pytest.approx(train_flops_per_token(dense, 1) / 3 - gqa_attention
                            - 2 * cfg.num_layers * gqa_weights))
+
+
+def test_a_yarn_mscale_all_dim_export_reads_back_the_same():
+  """DeepSeek's YaRN with mscale_all_dim alone: the softmax scale and the derived cos/sin
+  factor survive export (transformers derives that factor from `factor`, as we do)."""
+  from models.families import config_from_hf, config_to_hf
+  hf = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
+        "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "max_position_embeddings": 640,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                            "original_max_position_embeddings": 16, "mscale_all_dim": 1.0}}
+  cfg = config_from_hf(hf)
+  back = config_from_hf(config_to_hf(cfg))
+  assert back.rope_attention_factor == cfg.rope_attention_factor == 0.0  # derived: 1.369
+  assert back.attention_scale == pytest.approx(cfg.attention_scale, rel=1e-12)
+  assert cfg.attention_scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(40.0) + 1) ** 2)

@@ -100,3 +100,16 @@ def test_default_rope_is_unchanged():
   want = jnp.concatenate([x[..., :4] * cos - x[..., 4:] * sin, x[..., 4:] * cos + x[..., :4] * sin],
                          -1)
   assert jnp.array_equal(rope.apply(x, pos, 1e4), want)
+
+
+def test_phi3_128k_reads_its_top_level_original_context():
+  """Phi-3-mini-128k's config.json keeps original_max_position_embeddings beside, not inside,
+  its rope_scaling (and may call longrope "su"): read as transformers reads it."""
+  from models.families import config_from_hf
+  hf = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 100,
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+        "rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+  cfg = config_from_hf(hf)
+  assert (cfg.rope_scaling, cfg.rope_original_max_len, cfg.rope_factor) == ("longrope", 4096, 32.0)

@@ -143,7 +143,8 @@ def objective_step(state, batch, frozen, *, loss_fn, tx, schedule, grad_accum: i
   the batch. Gradient accumulation weights microbatch k by weight_fn(mb_k) / weight_fn(batch)
   (e.g. token counts, for a token mean; None: equally, for a mean over equal-sized row
   groups), so the update equals the whole batch's. `frozen` gets no gradient. Router
-  statistics in metrics[ROUTER_STATS] add `moe_cfg`'s router losses and bias updates."""
+  statistics in metrics[ROUTER_STATS] add `moe_cfg`'s router losses, and bias updates to the
+  trained params' router_bias_E (a bias in `frozen`, as under LoRA, stays as it is)."""
 
   def objective(params, frozen, batch):
     loss, aux = loss_fn(params, frozen, batch)

@@ -148,9 +148,9 @@ def _mscale_back(cfg, hf) -> dict:
                      "is expressed only as YaRN's mscale_all_dim (factor > 1, scale >= "
                      f"(head_dim + rope_head_dim)^-0.5 = {plain})")
   m_all = (math.sqrt(cfg.attention_scale / plain) - 1) / (0.1 * math.log(cfg.rope_factor))
-  rope = {**hf["rope_parameters"], "mscale_all_dim": m_all, "mscale": m_all,
-          "attention_factor": cfg.rope_attention_factor or 1.0}
-  return {**hf, "rope_parameters": rope}
+  # mscale_all_dim alone: transformers derives the cos/sin factor as we do (0.1 ln(factor) + 1)
+  # unless rope_parameters carries attention_factor, which to_hf writes where we have one
+  return {**hf, "rope_parameters": {**hf["rope_parameters"], "mscale_all_dim": m_all}}
 
 
 def _hf(cfg, hf) -> dict:
@@ -208,7 +208,8 @@ DEEPSEEK_V3 = base.register(base.Family(
 
 DEEPSEEK_V2 = base.register(base.Family(
     model_type="deepseek_v2", architecture="DeepseekV2ForCausalLM",
-    defaults={**_DEFAULTS, "q_lora_rank": 1536, "n_routed_experts": 64, "n_shared_experts": 2,
+    defaults={**_DEFAULTS, "max_position_embeddings": 2048, "q_lora_rank": 1536,
+              "n_routed_experts": 64, "n_shared_experts": 2,
               "moe_intermediate_size": 1407, "topk_method": "greedy", "norm_topk_prob": False},
     values=_v2_values, claims=_claims("softmax"), to_hf=_v2_hf, layer_names=_layer_names,
     normalize=_normalize, fused=_fused))

@@ -20,6 +20,21 @@ def _fused(cfg):
           "mlp.gate_up_proj.weight": [("mlp.gate_proj.weight", f), ("mlp.up_proj.weight", f)]}
 
 
+def _normalize(hf: dict, source: str) -> dict:
+  """Phi-3 128k's rope as transformers reads it: "su"/"yarn" mean longrope, and its
+  original_max_position_embeddings sits at the top level (default 4096)."""
+  key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+  rope = dict(hf.get(key) or {})
+  kind = rope.get("rope_type", rope.get("type"))
+  if kind not in ("longrope", "su", "yarn"):
+    return hf
+  rope["rope_type"] = "longrope"
+  rope.pop("type", None)
+  rope.setdefault("original_max_position_embeddings",
+                  hf.get("original_max_position_embeddings") or 4096)
+  return {**hf, key: rope}
+
+
 def _values(hf, get, source):
   base.llama_checks(hf, source, window=lambda hf, source: None)  # any window
   if hf.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 4 kept it at the top level
@@ -46,4 +61,4 @@ PHI3 = base.register(base.Family(
                            # a padding index only stops its embedding's gradient in training
                            "pad_token_id": None},
     layer_names=lambda cfg: {**base.ATTENTION, **base.NORMS, **base.DENSE_MLP},
-    fused=_fused))
+    normalize=_normalize, fused=_fused))
