@@ -31,6 +31,7 @@ import itertools
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import parallel
@@ -97,7 +98,6 @@ class LMTask:
 
   def eval_model(self, state, frozen):
     """The model at `state`, for an evaluation gate (train/gate.py)."""
-    from flax import nnx
     return nnx.merge(self.graphdef, state["params"])
 
   def evaluate(self, params, frozen, batches, batch_sh) -> dict:

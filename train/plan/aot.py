@@ -24,6 +24,11 @@ import sys
 import time
 from typing import Mapping
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from ml_collections import ConfigDict
+
 import parallel
 from models.registry import EXTRA_INPUTS
 from train.defaults import model_config_from
@@ -39,11 +44,6 @@ def compile_memory(config, mesh_sizes: Mapping[str, int], sharding: str,
                    devices=None) -> dict:
   """Compiles the train step for `mesh_sizes` on `devices` (default: this process's); per-device
   bytes, and what `compiled_facts` reads off the executable."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
-  from ml_collections import ConfigDict
-
   config = config if isinstance(config, ConfigDict) else ConfigDict(config)
   model_cfg = model_config_from(config)
   mesh = parallel.make_mesh(dict(mesh_sizes), devices)
