@@ -53,7 +53,7 @@ def route(logits_BTE, bias_E, k: int, norm: str, score: str = "softmax", groups:
   choice_BTE = scores_BTE if bias_E is None else scores_BTE + jax.lax.stop_gradient(bias_E)
   if groups > 1:
     choice_BTE = _within_best_groups(choice_BTE, groups, group_topk, score)
-  expert_BTO = _top_k_indices(jax.lax.stop_gradient(choice_BTE), k)
+  expert_BTO = _top_k_indices(choice_BTE, k)
   weight_BTO = jnp.take_along_axis(scores_BTE, expert_BTO, axis=-1)
   if norm == "topk":
     # DeepSeek-V3 adds 1e-20: sigmoid scores can all be tiny; softmax ones sum to > 0

@@ -103,9 +103,15 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[np.n
   return _yarn(dim, theta, scaling)
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+  """YaRN's mscale, 0.1·m·ln(factor) + 1 (1 for factor <= 1): its default cos/sin factor, and
+  squared with DeepSeek's mscale_all_dim, its softmax scale."""
+  return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn(dim: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, float]:
   factor = s.factor
-  attention = s.attention_factor or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+  attention = s.attention_factor or yarn_mscale(factor)
 
   def correction_dim(rotations):
     return dim * math.log(s.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -228,8 +228,10 @@ def moe_hf(cfg: ModelConfig, hf: dict, family: str, ffn_key: str, rules: dict) -
 
 
 def routed(cfg: ModelConfig) -> bool:
-  """A Llama-shaped decoder with routed experts and no sliding window (what the MoE families
-  add to: none of them writes a window transformers would run)."""
+  """A Llama-shaped decoder with routed experts, no sliding window (none of these families
+  writes a window transformers would run) and none of DeepSeek's mechanisms (latent
+  attention, dense first blocks, sigmoid or grouped routing, routed scaling): what the
+  Qwen-MoE, OLMoE and Mixtral families add to."""
   return (cfg.plain_llama and cfg.is_moe and not cfg.sliding_window and not cfg.mla
           and not cfg.first_dense_layers and cfg.router_score == "softmax"
           and not cfg.router_groups and cfg.routed_scale == 1.0)

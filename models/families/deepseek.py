@@ -12,6 +12,7 @@ mscale squared, as transformers' yarn_apply_mscale does.
 
 import math
 
+from models import rope as rope_lib
 from models.families import base
 
 _SHARED = {
@@ -57,10 +58,6 @@ def _fused(cfg) -> dict:
   }
 
 
-def _mscale(factor: float, m: float) -> float:
-  return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-
 def _normalize(hf: dict, source: str) -> dict:
   """YaRN's mscale / mscale_all_dim as the attention factor and softmax scale they make."""
   rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -73,11 +70,12 @@ def _normalize(hf: dict, source: str) -> dict:
   factor = rope.get("factor") or (hf["max_position_embeddings"]
                                   / rope["original_max_position_embeddings"])
   if rope.get("attention_factor") is None and m and m_all:
-    rope["attention_factor"] = _mscale(factor, m) / _mscale(factor, m_all)
+    mscale = rope_lib.yarn_mscale
+    rope["attention_factor"] = mscale(factor, m) / mscale(factor, m_all)
   out = {**hf, "rope_parameters": rope, "rope_scaling": None}
   if m_all:
     head = hf.get("qk_nope_head_dim", 128) + hf.get("qk_rope_head_dim", 64)
-    out["_attention_scale"] = head ** -0.5 * _mscale(factor, m_all) ** 2
+    out["_attention_scale"] = head ** -0.5 * rope_lib.yarn_mscale(factor, m_all) ** 2
   return out
 
 
